@@ -1,0 +1,163 @@
+"""The ``ctx`` object that ``forward``, ``setup_context``, ``backward`` and ``jvp`` receive."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["FunctionCtx", "is_array"]
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is traced by vjpkit (a JAX or NumPy array, or a tracer)."""
+    return isinstance(x, _ARRAY_TYPES)
+
+
+class FunctionCtx:
+    """Carries what ``forward`` wants ``backward`` to see.
+
+    Mirrors ``torch.autograd.function.FunctionCtx``. Arrays saved with
+    ``save_for_backward`` (and array-valued attributes such as
+    ``ctx.mask = m``) travel to ``backward`` as ``custom_vjp`` residuals;
+    every other attribute travels as static data, fixed when JAX traces.
+
+    A ctx lives for one call of the user's method: once that call returns,
+    vjpkit closes it, and a ctx kept by user code raises when used again
+    (its arrays would be tracers of a finished trace).
+    """
+
+    # Internal state in slots; user attributes go to ``__dict__``, which is
+    # exactly the set of attributes carried to backward.
+    __slots__ = (
+        "_vjpkit_name",
+        "_vjpkit_method",
+        "_vjpkit_open",
+        "_vjpkit_saved",
+        "_vjpkit_saved_forward",
+        "_vjpkit_needs",
+        "_vjpkit_non_differentiable",
+        "_vjpkit_dirty",
+        "_vjpkit_materialize",
+        "_vjpkit_inputs",
+        "_vjpkit_in_jvp",
+        "__dict__",
+    )
+
+    def __init__(self, name: str, needs_input_grad: tuple[bool, ...], inputs: tuple = ()):
+        self._vjpkit_name = name
+        self._vjpkit_method = "forward"
+        self._vjpkit_open = True
+        self._vjpkit_saved: tuple = ()
+        self._vjpkit_saved_forward: tuple = ()
+        self._vjpkit_needs = needs_input_grad
+        self._vjpkit_non_differentiable: tuple = ()
+        self._vjpkit_dirty: tuple = ()
+        self._vjpkit_materialize = True
+        self._vjpkit_inputs = inputs
+        self._vjpkit_in_jvp = False
+
+    # -- lifetime --------------------------------------------------------
+
+    def _check_open(self, member: str) -> None:
+        if not self._vjpkit_open:
+            raise RuntimeError(
+                f"{self._vjpkit_name}: ctx.{member} was used after the call it "
+                "belongs to had finished. A ctx is only valid inside forward, "
+                "setup_context, backward or jvp; keep values on ctx for backward "
+                "instead of keeping the ctx itself."
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes that do not exist.
+        if not object.__getattribute__(self, "_vjpkit_open"):
+            self._check_open(name)
+        raise AttributeError(
+            f"{self._vjpkit_name}.{self._vjpkit_method}: ctx has no attribute "
+            f"{name!r}; set it in forward (ctx.{name} = ...) to read it here."
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_vjpkit_"):
+            self._check_open(name)
+        object.__setattr__(self, name, value)
+
+    # -- saving ----------------------------------------------------------
+
+    def _check_saveable(self, method: str, xs: tuple) -> tuple:
+        for i, x in enumerate(xs):
+            if x is not None and not is_array(x):
+                raise TypeError(
+                    f"{self._vjpkit_name}.{self._vjpkit_method}: {method} takes "
+                    f"arrays or None, but argument {i} is {type(x).__name__} "
+                    f"({_short_repr(x)}). Store non-array values as ctx "
+                    f"attributes instead (ctx.value = ...)."
+                )
+        return xs
+
+    def save_for_backward(self, *xs: Any) -> None:
+        """Saves arrays (or ``None``) for ``backward``; the last call wins."""
+        self._check_open("save_for_backward")
+        self._vjpkit_saved = self._check_saveable("save_for_backward", xs)
+
+    def save_for_forward(self, *xs: Any) -> None:
+        """Saves arrays (or ``None``) for ``jvp``; the last call wins."""
+        self._check_open("save_for_forward")
+        self._vjpkit_saved_forward = self._check_saveable("save_for_forward", xs)
+
+    @property
+    def saved_tensors(self) -> tuple:
+        """What ``save_for_backward`` saved (in ``jvp``: ``save_for_forward``)."""
+        self._check_open("saved_tensors")
+        return self._vjpkit_saved_forward if self._vjpkit_in_jvp else self._vjpkit_saved
+
+    # -- flags -----------------------------------------------------------
+
+    @property
+    def needs_input_grad(self) -> tuple[bool, ...]:
+        """One bool per forward parameter: True when JAX differentiates it."""
+        self._check_open("needs_input_grad")
+        return self._vjpkit_needs
+
+    def mark_non_differentiable(self, *outputs: Any) -> None:
+        """Declares outputs (by identity) that carry no gradient."""
+        self._check_open("mark_non_differentiable")
+        self._vjpkit_non_differentiable = outputs
+
+    def set_materialize_grads(self, value: bool) -> None:
+        """False: absent output gradients reach backward as None, not zeros."""
+        self._check_open("set_materialize_grads")
+        self._vjpkit_materialize = bool(value)
+
+    def mark_dirty(self, *inputs: Any) -> None:
+        """Declares that forward returns new values of these inputs.
+
+        JAX arrays are immutable, so this only records the intent (PyTorch's
+        in-place ops become functional updates); an argument that is not
+        one of forward's inputs raises.
+        """
+        self._check_open("mark_dirty")
+        input_ids = {id(leaf) for leaf in jax.tree_util.tree_leaves(self._vjpkit_inputs)}
+        for i, x in enumerate(inputs):
+            if id(x) not in input_ids:
+                raise ValueError(
+                    f"{self._vjpkit_name}.{self._vjpkit_method}: mark_dirty "
+                    f"argument {i} ({_short_repr(x)}) is not an input of "
+                    "forward; only inputs can be marked dirty."
+                )
+        self._vjpkit_dirty = inputs
+
+    # -- internal --------------------------------------------------------
+
+    def _user_attributes(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _short_repr(x: Any) -> str:
+    if is_array(x):
+        return f"array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."

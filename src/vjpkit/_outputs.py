@@ -1,0 +1,257 @@
+"""Forward's outputs going out, and backward's gradients coming back, checked.
+
+``pack_outputs`` turns whatever forward returned into a pytree whose leaves
+are arrays only (non-array leaves ride in the tree's static data), which is
+what ``custom_vjp`` and ``jit`` accept. ``output_cotangents`` turns JAX's
+cotangents back into the arguments backward expects (PyTorch style), and
+``check_backward_outputs`` validates and normalizes what backward returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from ._args import as_jax_leaf, static_key_of
+from ._ctx import _short_repr, is_array
+
+__all__ = [
+    "Packed",
+    "OutputLayout",
+    "pack_outputs",
+    "output_cotangents",
+    "check_backward_outputs",
+    "is_differentiable_dtype",
+]
+
+
+def is_differentiable_dtype(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+class OutputLayout:
+    """The static part of forward's output: its structure and non-array leaves."""
+
+    __slots__ = ("treedef", "static", "dynamic", "spread", "_key")
+
+    def __init__(self, treedef: Any, static: tuple, dynamic: tuple, spread: bool):
+        self.treedef = treedef
+        self.static = static
+        self.dynamic = dynamic
+        self.spread = spread  # a tuple output: one backward argument per element
+        self._key = (treedef, tuple((i, static_key_of(v)) for i, v in static), spread)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, OutputLayout) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def rebuild(self, dynamic_values: Sequence[Any], static_fill: Any = None, *, keep_static: bool = True) -> Any:
+        leaves = [None] * self.treedef.num_leaves
+        for i, value in self.static:
+            leaves[i] = value if keep_static else static_fill
+        for i, value in zip(self.dynamic, dynamic_values):
+            leaves[i] = value
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+class Packed:
+    """Forward's output as a pytree of arrays; ``unpack`` gives the user's value."""
+
+    __slots__ = ("arrays", "layout")
+
+    def __init__(self, arrays: tuple, layout: OutputLayout):
+        self.arrays = arrays
+        self.layout = layout
+
+    def unpack(self) -> Any:
+        return self.layout.rebuild(self.arrays)
+
+
+jax.tree_util.register_pytree_node(
+    Packed,
+    lambda p: (p.arrays, p.layout),
+    lambda layout, arrays: Packed(tuple(arrays), layout),
+)
+
+
+def pack_outputs(owner: str, out: Any) -> Packed:
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    static, dynamic, arrays = [], [], []
+    for i, leaf in enumerate(leaves):
+        if is_array(leaf):
+            dynamic.append(i)
+            arrays.append(as_jax_leaf(leaf))
+        else:
+            static.append((i, leaf))
+    if not arrays and leaves:
+        raise TypeError(
+            f"{owner}.forward returned no array ({_short_repr(out)}); a Function "
+            "must return at least one array."
+        )
+    layout = OutputLayout(treedef, tuple(static), tuple(dynamic), type(out) is tuple)
+    return Packed(tuple(arrays), layout)
+
+
+def output_cotangents(
+    layout: OutputLayout,
+    cotangents: Sequence[Any],
+    avals: Sequence[tuple],
+    differentiable: Sequence[bool],
+    materialize: bool,
+) -> tuple:
+    """backward's positional arguments: one per tuple element, else one.
+
+    Absent gradients (outputs JAX found unused, non-differentiable outputs)
+    become zeros, or ``None`` when materialization is off; PyTorch's rule.
+    """
+    grads = []
+    for ct, (shape, dtype), diff in zip(cotangents, avals, differentiable):
+        if diff and not isinstance(ct, SymbolicZero):
+            grads.append(ct)
+        else:
+            grads.append(jnp.zeros(shape, dtype) if materialize else None)
+    structured = layout.rebuild(grads, keep_static=False)
+    return tuple(structured) if layout.spread else (structured,)
+
+
+def _count_message(owner: str, got: int, names: tuple, was_list: bool) -> str:
+    expected = len(names)
+    hint = (
+        " A list counts as one value: return a tuple of gradients."
+        if was_list
+        else " Return None for inputs that need no gradient."
+    )
+    return (
+        f"{owner}.backward returned {got} gradient{'s' if got != 1 else ''}, "
+        f"expected {expected} (one per forward input: {', '.join(names)}).{hint}"
+    )
+
+
+def _matches_structure(treedef: Any, value: Any) -> bool:
+    try:
+        treedef.flatten_up_to(value)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def check_backward_outputs(
+    owner: str,
+    result: Any,
+    param_treedefs: Sequence[Any],
+    names: tuple,
+    leaf_kinds: Sequence[Any],
+    needs: Sequence[bool],
+    method: str = "backward",
+) -> list:
+    """Validates backward's result; returns one cotangent (or None) per array input leaf.
+
+    ``leaf_kinds`` has, for every leaf of the bound arguments (in flattening
+    order), either ``None`` for a static leaf or the ``(shape, dtype)`` of an
+    array leaf.
+    """
+    n = len(param_treedefs)
+    was_list = isinstance(result, list)
+    if not isinstance(result, tuple):
+        result = (result,)
+    elif n == 1 and len(result) != 1 and _matches_structure(param_treedefs[0], result):
+        # One parameter whose value is itself a tuple: this is its gradient.
+        result = (result,)
+    if len(result) > n and all(g is None for g in result[n:]):
+        result = result[:n]
+    if len(result) != n:
+        raise TypeError(_count_message(owner, len(result), names, was_list))
+
+    cotangents = []
+    leaf = 0
+    for i, (treedef, grad) in enumerate(zip(param_treedefs, result)):
+        n_leaves = treedef.num_leaves
+        kinds = leaf_kinds[leaf : leaf + n_leaves]
+        where = f"input {i} ({names[i]!r})"
+        if grad is None:
+            grad_leaves = [None] * n_leaves
+        else:
+            try:
+                grad_leaves = treedef.flatten_up_to(grad)
+            except (ValueError, TypeError):
+                if all(kind is None for kind in kinds):
+                    raise TypeError(
+                        f"{owner}.{method} returned a gradient for {where}, which is "
+                        f"static (not an array, so not differentiated): expected None, "
+                        f"got {_short_repr(grad)}."
+                    ) from None
+                got = jax.tree_util.tree_structure(grad, is_leaf=lambda x: x is None)
+                raise TypeError(
+                    f"{owner}.{method} returned a gradient for {where} with structure "
+                    f"{got}, expected the input's structure {treedef} (None is "
+                    "allowed for any part)."
+                ) from None
+        for j, (kind, g) in enumerate(zip(kinds, grad_leaves)):
+            at = where if n_leaves == 1 else f"{where} at leaf {j}"
+            if kind is None:
+                if g is not None:
+                    raise TypeError(
+                        f"{owner}.{method} returned a gradient for {at}, which is "
+                        f"static (not an array, so not differentiated): expected "
+                        f"None, got {_short_repr(g)}."
+                    )
+                continue
+            shape, dtype = kind
+            if g is None or not is_differentiable_dtype(dtype):
+                cotangents.append(None)
+                continue
+            if isinstance(g, SymbolicZero):
+                cotangents.append(None)
+                continue
+            if not is_array(g):
+                raise TypeError(
+                    f"{owner}.{method} returned {_short_repr(g)} "
+                    f"({type(g).__name__}) as the gradient for {at}: expected an "
+                    f"array of shape {shape} and dtype {dtype}, or None."
+                )
+            g = _fit_shape(owner, method, at, g, shape)
+            g = _fit_dtype(owner, method, at, g, dtype)
+            cotangents.append(g if needs[i] else None)
+        leaf += n_leaves
+    return cotangents
+
+
+def _fit_shape(owner: str, method: str, at: str, g: Any, shape: tuple) -> Any:
+    """Sums a broadcast gradient down to the input's shape (PyTorch's rule)."""
+    g_shape = tuple(g.shape)
+    if g_shape == shape:
+        return g
+    try:
+        broadcast = np.broadcast_shapes(shape, g_shape)
+    except ValueError:
+        broadcast = None
+    if broadcast != g_shape:
+        raise ValueError(
+            f"{owner}.{method} returned a gradient of shape {g_shape} for {at}: "
+            f"expected shape {shape} (or a shape that {shape} broadcasts to, "
+            "which is summed down)."
+        )
+    lead = len(g_shape) - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + k for k, d in enumerate(shape) if d == 1 and g_shape[lead + k] != 1
+    )
+    return jnp.sum(g, axis=axes).reshape(shape)
+
+
+def _fit_dtype(owner: str, method: str, at: str, g: Any, dtype: Any) -> Any:
+    """Casts a gradient to the input's dtype; complex for a real input raises."""
+    if g.dtype == dtype:
+        return g
+    if jnp.issubdtype(g.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{owner}.{method} returned a complex gradient ({g.dtype}) for {at}, "
+            f"which is real ({dtype}): expected dtype {dtype}. Take the real part "
+            "explicitly if that is what you mean."
+        )
+    return jnp.asarray(g).astype(dtype)
