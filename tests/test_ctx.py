@@ -1,0 +1,546 @@
+"""The ctx object: every member of design.md's ctx table.
+
+Each test defines its own Function class: forward and backward run while JAX
+traces, once per compiled signature, so a fresh class is what makes the
+trace-time records below (lists appended to from forward/backward) exact.
+Expected gradients are written out or come from `jax.grad` of the same math
+in plain `jnp`.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpkit
+
+X = jnp.array([0.5, -1.0, 2.0])
+W = jnp.array([1.5, 2.0, -0.5])
+
+
+# ---------------------------------------------------------------------------
+# save_for_backward / saved_tensors
+
+
+def test_saved_tensors_returns_what_forward_saved():
+    class Mul(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g * w, g * x
+
+    gx, gw = jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=(0, 1))(X, W)
+    chex.assert_trees_all_close((gx, gw), (W, X))
+
+
+def test_saved_tensors_keeps_none_in_place():
+    seen = []
+
+    class Scale(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(None, w, None)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            saved = ctx.saved_tensors
+            seen.append((len(saved), saved[0] is None, saved[2] is None))
+            return g * saved[1], None
+
+    gx = jax.grad(lambda x: Scale.apply(x, W).sum())(X)
+    chex.assert_trees_all_close(gx, W)
+    assert seen == [(3, True, True)]
+
+
+def test_save_for_backward_last_call_wins():
+    class Square(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(jnp.zeros_like(x), jnp.zeros_like(x))
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    chex.assert_trees_all_close(jax.grad(lambda x: Square.apply(x).sum())(X), 2 * X)
+
+
+def test_saved_tensors_is_empty_when_nothing_was_saved():
+    seen = []
+
+    class Double(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(ctx.saved_tensors)
+            return 2 * g
+
+    chex.assert_trees_all_close(jax.grad(lambda x: Double.apply(x).sum())(X), jnp.full(3, 2.0))
+    assert seen == [()]
+
+
+def test_saved_numpy_array_reaches_backward_as_array():
+    class AddConst(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            c = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+            ctx.save_for_backward(c)
+            return x * c
+
+        @staticmethod
+        def backward(ctx, g):
+            (c,) = ctx.saved_tensors
+            return g * c
+
+    chex.assert_trees_all_close(
+        jax.grad(lambda x: AddConst.apply(x).sum())(X), jnp.array([1.0, 2.0, 3.0])
+    )
+
+
+# ---------------------------------------------------------------------------
+# needs_input_grad
+
+
+def _needs_seen_in(seen, method):
+    return [needs for m, needs in seen if m == method]
+
+
+def assert_forward_saw(records, expected):
+    """forward saw ``expected``; any other trace of it was the primal alone.
+
+    When the call is staged, JAX traces the primal (no differentiation, all
+    False) separately from the forward whose residuals feed backward.
+    """
+    assert expected in records
+    assert all(r == expected or not any(r) for r in records), records
+
+
+def _recording_mul(seen):
+    """x * w * scale, recording needs_input_grad in forward and backward."""
+
+    class Mul(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, w, scale=2.0):
+            seen.append(("forward", ctx.needs_input_grad))
+            ctx.save_for_backward(x, w)
+            ctx.scale = scale
+            return x * w * scale
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("backward", ctx.needs_input_grad))
+            x, w = ctx.saved_tensors
+            gx = g * w * ctx.scale if ctx.needs_input_grad[0] else None
+            gw = g * x * ctx.scale if ctx.needs_input_grad[1] else None
+            return gx, gw, None
+
+    return Mul
+
+
+def test_needs_input_grad_is_all_false_in_plain_evaluation():
+    seen = []
+    Mul = _recording_mul(seen)
+    Mul.apply(X, W)
+    assert seen == [("forward", (False, False, False))]
+
+
+def test_needs_input_grad_is_true_only_for_the_differentiated_input():
+    seen = []
+    Mul = _recording_mul(seen)
+    gx = jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=0)(X, W)
+    chex.assert_trees_all_close(gx, 2.0 * W)
+    assert_forward_saw(_needs_seen_in(seen, "forward"), (True, False, False))
+    assert _needs_seen_in(seen, "backward") == [(True, False, False)]
+
+
+def test_needs_input_grad_follows_argnums():
+    seen = []
+    Mul = _recording_mul(seen)
+    gw = jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=1)(X, W)
+    chex.assert_trees_all_close(gw, 2.0 * X)
+    assert_forward_saw(_needs_seen_in(seen, "forward"), (False, True, False))
+    assert _needs_seen_in(seen, "backward") == [(False, True, False)]
+
+
+def test_needs_input_grad_is_true_for_every_differentiated_input():
+    seen = []
+    Mul = _recording_mul(seen)
+    jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=(0, 1))(X, W)
+    assert_forward_saw(_needs_seen_in(seen, "forward"), (True, True, False))
+    assert _needs_seen_in(seen, "backward") == [(True, True, False)]
+
+
+def test_needs_input_grad_is_false_for_a_static_input_passed_by_keyword():
+    seen = []
+    Mul = _recording_mul(seen)
+    gx = jax.grad(lambda x: Mul.apply(x, W, scale=3.0).sum())(X)
+    chex.assert_trees_all_close(gx, 3.0 * W)
+    assert_forward_saw(_needs_seen_in(seen, "forward"), (True, False, False))
+    assert _needs_seen_in(seen, "backward") == [(True, False, False)]
+
+
+def test_needs_input_grad_is_false_for_an_integer_input():
+    seen = []
+
+    class Gather(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, idx):
+            seen.append(ctx.needs_input_grad)
+            ctx.save_for_backward(idx)
+            ctx.n = x.shape[0]
+            return x[idx]
+
+        @staticmethod
+        def backward(ctx, g):
+            (idx,) = ctx.saved_tensors
+            return jnp.zeros(ctx.n, g.dtype).at[idx].add(g), None
+
+    idx = jnp.array([2, 0, 2])
+    # allow_int asks JAX to "differentiate" the integer input too.
+    gx, _ = jax.grad(lambda x, i: Gather.apply(x, i).sum(), argnums=(0, 1), allow_int=True)(X, idx)
+    chex.assert_trees_all_close(gx, jnp.array([1.0, 0.0, 2.0]))
+    assert_forward_saw(seen, (True, False))
+
+
+def test_needs_input_grad_is_readable_in_setup_context():
+    seen = []
+
+    class Mul(vjpkit.Function):
+        @staticmethod
+        def forward(x, w):
+            return x * w
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            seen.append(ctx.needs_input_grad)
+            ctx.save_for_backward(*inputs)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g * w, g * x
+
+    jax.grad(lambda w: Mul.apply(X, w).sum())(W)
+    assert_forward_saw(seen, (False, True))
+
+
+def test_needs_input_grad_counts_defaults_and_varargs():
+    seen = []
+
+    class Sum(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, *xs, bias=jnp.zeros(3)):
+            seen.append(ctx.needs_input_grad)
+            return sum(xs) + bias
+
+        @staticmethod
+        def backward(ctx, g):
+            return tuple(g if need else None for need in ctx.needs_input_grad)
+
+    gb = jax.grad(lambda b: Sum.apply(X, W, bias=b).sum())(jnp.ones(3))
+    chex.assert_trees_all_close(gb, jnp.ones(3))
+    assert_forward_saw(seen, (False, False, True))
+
+
+# ---------------------------------------------------------------------------
+# ctx attributes
+
+
+def test_ctx_attribute_holding_an_array_reaches_backward_as_an_array():
+    class Relu(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mask = x > 0
+            return jnp.where(ctx.mask, x, 0.0)
+
+        @staticmethod
+        def backward(ctx, g):
+            return jnp.where(ctx.mask, g, 0.0)
+
+    chex.assert_trees_all_close(
+        jax.grad(lambda x: Relu.apply(x).sum())(X), jnp.array([1.0, 0.0, 1.0])
+    )
+
+
+def test_ctx_attribute_holding_a_python_value_is_static_in_backward():
+    seen = []
+
+    class Activation(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, c):
+            ctx.c = c
+            ctx.label = "tanh"
+            ctx.activation = jnp.tanh
+            ctx.save_for_backward(x)
+            return ctx.activation(x) * c
+
+        @staticmethod
+        def backward(ctx, g):
+            # Static values are the Python objects themselves, never tracers.
+            seen.append((type(ctx.c), ctx.label, ctx.activation is jnp.tanh))
+            (x,) = ctx.saved_tensors
+            scale = ctx.c if ctx.c > 0 else 0.0  # Python control flow on it
+            return g * scale * (1 - ctx.activation(x) ** 2), None
+
+    expected = jax.grad(lambda x: (jnp.tanh(x) * 3.0).sum())(X)
+    chex.assert_trees_all_close(jax.grad(lambda x: Activation.apply(x, 3.0).sum())(X), expected)
+    assert seen == [(float, "tanh", True)]
+
+
+def test_ctx_attributes_mix_static_and_array_values():
+    class MulConstant(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, c):
+            ctx.c = c
+            ctx.t = jnp.tanh(x)
+            return ctx.t * c
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.c * (1 - ctx.t**2), None
+
+    expected = jax.grad(lambda x: (jnp.tanh(x) * 3.0).sum())(X)
+    chex.assert_trees_all_close(jax.grad(lambda x: MulConstant.apply(x, 3.0).sum())(X), expected)
+
+
+def test_ctx_attribute_holding_a_pytree_of_arrays_reaches_backward():
+    class Affine(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.parts = {"a": x * 2, "b": (x, 3)}
+            return x * x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            x, three = ctx.parts["b"]
+            assert three == 3
+            return g * ctx.parts["a"] * 2
+
+    chex.assert_trees_all_close(jax.grad(lambda x: Affine.apply(x).sum())(X), 4 * X)
+
+
+# ---------------------------------------------------------------------------
+# Output gradients: materialization and non-differentiable outputs
+
+
+def _sin_cos(seen, materialize=True, mark=False):
+    class SinCos(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.set_materialize_grads(materialize)
+            ctx.save_for_backward(x)
+            s, c = jnp.sin(x), jnp.cos(x)
+            if mark:
+                ctx.mark_non_differentiable(c)
+            return s, c
+
+        @staticmethod
+        def backward(ctx, gs, gc):
+            seen.append((gs is None, gc is None))
+            (x,) = ctx.saved_tensors
+            total = jnp.zeros_like(x)
+            if gs is not None:
+                total += gs * jnp.cos(x)
+            if gc is not None:
+                total -= gc * jnp.sin(x)
+            return total
+
+    return SinCos
+
+
+def test_unused_output_gets_zero_gradient():
+    seen = []
+    SinCos = _sin_cos(seen)
+    g = jax.grad(lambda x: SinCos.apply(x)[0].sum())(X)
+    chex.assert_trees_all_close(g, jnp.cos(X))
+    assert seen == [(False, False)]  # an array of zeros, not None
+
+
+def test_unused_output_gets_none_with_materialization_off():
+    seen = []
+    SinCos = _sin_cos(seen, materialize=False)
+    g = jax.grad(lambda x: SinCos.apply(x)[0].sum())(X)
+    chex.assert_trees_all_close(g, jnp.cos(X))
+    assert seen == [(False, True)]
+
+
+def test_used_outputs_both_get_their_gradients():
+    seen = []
+    SinCos = _sin_cos(seen, materialize=False)
+
+    def loss(x):
+        s, c = SinCos.apply(x)
+        return (s * c).sum()
+
+    expected = jax.grad(lambda x: (jnp.sin(x) * jnp.cos(x)).sum())(X)
+    chex.assert_trees_all_close(jax.grad(loss)(X), expected, rtol=1e-6)
+    assert seen == [(False, False)]
+
+
+def test_non_differentiable_output_carries_no_gradient():
+    seen = []
+    SinCos = _sin_cos(seen, mark=True)
+
+    def loss(x):
+        s, c = SinCos.apply(x)
+        return (s + c).sum()  # c is used, but marked non-differentiable
+
+    chex.assert_trees_all_close(jax.grad(loss)(X), jnp.cos(X))
+    assert seen == [(False, False)]  # its slot holds zeros
+
+
+def test_non_differentiable_output_slot_is_none_with_materialization_off():
+    seen = []
+    SinCos = _sin_cos(seen, materialize=False, mark=True)
+
+    def loss(x):
+        s, c = SinCos.apply(x)
+        return (s + c).sum()
+
+    chex.assert_trees_all_close(jax.grad(loss)(X), jnp.cos(X))
+    assert seen == [(False, True)]
+
+
+def test_non_differentiable_output_keeps_its_value():
+    SinCos = _sin_cos([], mark=True)
+    s, c = SinCos.apply(X)
+    chex.assert_trees_all_close((s, c), (jnp.sin(X), jnp.cos(X)))
+
+
+# ---------------------------------------------------------------------------
+# mark_dirty
+
+
+def test_mark_dirty_returns_the_new_value_of_the_input():
+    class ZeroFirst(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_dirty(x)
+            return x.at[0].set(0.0) * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return (g * 2).at[0].set(0.0)
+
+    x = jnp.array([1.0, 2.0, 3.0])
+    chex.assert_trees_all_close(ZeroFirst.apply(x), jnp.array([0.0, 4.0, 6.0]))
+    expected = jax.grad(lambda x: (x.at[0].set(0.0) * 2).sum())(x)
+    chex.assert_trees_all_close(jax.grad(lambda x: ZeroFirst.apply(x).sum())(x), expected)
+
+
+# ---------------------------------------------------------------------------
+# setup_context style
+
+
+def test_setup_context_style_receives_inputs_and_output():
+    seen = []
+
+    class Exp(vjpkit.Function):
+        @staticmethod
+        def forward(x, scale=1.0):
+            return jnp.exp(x) * scale
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            x, scale = inputs
+            seen.append((len(inputs), scale))
+            ctx.scale = scale
+            ctx.save_for_backward(output)
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * y, None
+
+    expected = jax.grad(lambda x: (jnp.exp(x) * 2.0).sum())(X)
+    chex.assert_trees_all_close(jax.grad(lambda x: Exp.apply(x, scale=2.0).sum())(X), expected)
+    chex.assert_trees_all_close(Exp.apply(X), jnp.exp(X))
+    assert seen[0] == (2, 2.0)
+
+
+def test_setup_context_style_with_decorator_and_tuple_output():
+    @vjpkit.function
+    class SinCos:
+        @staticmethod
+        def forward(x):
+            return jnp.sin(x), jnp.cos(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(*output)
+
+        @staticmethod
+        def backward(ctx, gs, gc):
+            s, c = ctx.saved_tensors
+            return gs * c - gc * s
+
+    def loss(f, x):
+        s, c = f(x)
+        return (s * 2 + c**2).sum()
+
+    expected = jax.grad(lambda x: loss(lambda x: (jnp.sin(x), jnp.cos(x)), x))(X)
+    chex.assert_trees_all_close(jax.grad(lambda x: loss(SinCos, x))(X), expected)
+
+
+# ---------------------------------------------------------------------------
+# once_differentiable
+
+
+def _once_differentiable_square():
+    class Square(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x**2
+
+        @staticmethod
+        @vjpkit.once_differentiable
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    return Square
+
+
+def test_once_differentiable_backward_works_at_first_order():
+    Square = _once_differentiable_square()
+    chex.assert_trees_all_close(jax.grad(lambda x: Square.apply(x).sum())(X), 2 * X)
+    chex.assert_trees_all_close(jax.jit(jax.grad(lambda x: Square.apply(x).sum()))(X), 2 * X)
+
+
+def test_once_differentiable_backward_raises_at_second_order():
+    Square = _once_differentiable_square()
+    with pytest.raises(RuntimeError, match=r"Square\.backward.*once_differentiable"):
+        jax.hessian(lambda x: Square.apply(x).sum())(X)
+
+
+def test_once_differentiable_backward_raises_under_grad_of_grad():
+    Square = _once_differentiable_square()
+
+    def first(x):
+        return jax.grad(lambda x: Square.apply(x).sum())(x).sum()
+
+    with pytest.raises(RuntimeError, match=r"Square\.backward.*once_differentiable"):
+        jax.grad(first)(X)
+
+
+def test_needs_input_grad_is_real_under_an_outer_jit():
+    seen = []
+    Mul = _recording_mul(seen)
+    gw = jax.jit(jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=1))(X, W)
+    chex.assert_trees_all_close(gw, 2.0 * X)
+    assert_forward_saw(_needs_seen_in(seen, "forward"), (False, True, False))
+    assert _needs_seen_in(seen, "backward") == [(False, True, False)]
