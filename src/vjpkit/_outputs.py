@@ -160,8 +160,14 @@ def check_backward_outputs(
     was_list = isinstance(result, list)
     if not isinstance(result, tuple):
         result = (result,)
-    elif n == 1 and len(result) != 1 and _matches_structure(param_treedefs[0], result):
+    elif (
+        n == 1
+        and len(result) != 1
+        and not jax.tree_util.treedef_is_leaf(param_treedefs[0])
+        and _matches_structure(param_treedefs[0], result)
+    ):
         # One parameter whose value is itself a tuple: this is its gradient.
+        # (A single array leaf "matches" any structure, so it must not count.)
         result = (result,)
     if len(result) > n and all(g is None for g in result[n:]):
         result = result[:n]
