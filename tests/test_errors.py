@@ -1,0 +1,376 @@
+"""Every misuse raises while tracing, with a message naming the Function class,
+the method, the position, and expected vs got (design.md, "Errors").
+
+One test per misuse; each asserts the message.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpkit
+
+X = jnp.array([0.5, -1.0, 2.0])
+W = jnp.array([1.5, 2.0, -0.5])
+
+
+def returning(result_of):
+    """A Function ``Bad(x, w, c=2.0)`` whose backward returns ``result_of(g)``."""
+
+    class Bad(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, w, c=2.0):
+            return x * w * c
+
+        @staticmethod
+        def backward(ctx, g):
+            return result_of(g)
+
+    return Bad
+
+
+def grad_of(f):
+    return jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))(X, W)
+
+
+# ---------------------------------------------------------------------------
+# backward's results
+
+
+def test_too_many_non_none_gradients_raises():
+    Bad = returning(lambda g: (g, g, None, g))
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 4 gradients, expected 3 \(one per forward input: x, w, c\)"):
+        grad_of(Bad.apply)
+
+
+def test_too_few_gradients_raises():
+    Bad = returning(lambda g: (g, g))
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 2 gradients, expected 3 .*x, w, c.*Return None for inputs"):
+        grad_of(Bad.apply)
+
+
+def test_list_of_gradients_counts_as_one_value():
+    Bad = returning(lambda g: [g, g, None])
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 1 gradient, expected 3.*A list counts as one value: return a tuple"):
+        grad_of(Bad.apply)
+
+
+def test_too_many_gradients_for_a_single_input_raises():
+    class Bad(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g, g
+
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 2 gradients, expected 1 \(one per forward input: x\)"):
+        jax.grad(lambda x: Bad.apply(x).sum())(X)
+
+
+def test_gradient_of_the_wrong_structure_raises():
+    class Bad(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, params):
+            return params["w"] * params["b"]
+
+        @staticmethod
+        def backward(ctx, g):
+            return {"w": g}  # "b" is missing
+
+    params = {"w": X, "b": W}
+    with pytest.raises(TypeError, match=r"Bad\.backward returned a gradient for input 0 \('params'\) with structure .*expected the input's structure"):
+        jax.grad(lambda p: Bad.apply(p).sum())(params)
+
+
+def test_gradient_of_the_wrong_shape_raises():
+    Bad = returning(lambda g: (g[:2], None, None))
+    with pytest.raises(ValueError, match=r"Bad\.backward returned a gradient of shape \(2,\) for input 0 \('x'\): expected shape \(3,\)"):
+        grad_of(Bad.apply)
+
+
+def test_gradient_whose_shape_is_not_a_broadcast_of_the_input_raises():
+    # (3, 1) broadcasts *with* (3,) but is not a broadcast *of* it: no sum-down.
+    Bad = returning(lambda g: (g[:, None], None, None))
+    with pytest.raises(ValueError, match=r"Bad\.backward returned a gradient of shape \(3, 1\) for input 0 \('x'\): expected shape \(3,\)"):
+        grad_of(Bad.apply)
+
+
+def test_complex_gradient_for_a_real_input_raises():
+    Bad = returning(lambda g: (g * (1 + 1j), None, None))
+    with pytest.raises(TypeError, match=r"Bad\.backward returned a complex gradient \(complex64\) for input 0 \('x'\), which is real \(float32\)"):
+        grad_of(Bad.apply)
+
+
+def test_gradient_for_a_static_input_raises():
+    Bad = returning(lambda g: (g, g, jnp.sum(g)))
+    with pytest.raises(TypeError, match=r"Bad\.backward returned a gradient for input 2 \('c'\), which is static .*expected None, got array"):
+        grad_of(Bad.apply)
+
+
+def test_non_array_gradient_raises():
+    Bad = returning(lambda g: ("oops", None, None))
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 'oops' \(str\) as the gradient for input 0 \('x'\): expected an array of shape \(3,\) and dtype float32, or None"):
+        grad_of(Bad.apply)
+
+
+def test_python_float_gradient_raises():
+    Bad = returning(lambda g: (1.0, None, None))
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 1\.0 \(float\) as the gradient for input 0 \('x'\)"):
+        grad_of(Bad.apply)
+
+
+# ---------------------------------------------------------------------------
+# ctx misuse
+
+
+def test_save_for_backward_of_a_non_array_raises_naming_the_position():
+    class Bad(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x, None, 3.0)
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(TypeError, match=r"Bad\.forward: save_for_backward takes arrays or None, but argument 2 is float \(3\.0\)"):
+        Bad.apply(X)
+
+
+def test_mark_dirty_of_a_non_input_raises():
+    class Bad(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = x * 2
+            ctx.mark_dirty(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    with pytest.raises(ValueError, match=r"Bad\.forward: mark_dirty argument 0 \(array of shape \(3,\) and dtype float32\) is not an input of forward"):
+        Bad.apply(X)
+
+
+def test_returning_a_dirty_input_unchanged_raises():
+    class Bad(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_dirty(x)
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(ValueError, match=r"Bad\.forward marked an input dirty \(ctx\.mark_dirty\) and returned that same input object unchanged"):
+        Bad.apply(X)
+
+
+def test_ctx_used_after_the_call_raises():
+    kept = []
+
+    class Leaky(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            kept.append(ctx)
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    Leaky.apply(X)
+    (ctx,) = kept
+    with pytest.raises(RuntimeError, match=r"Leaky: ctx\.save_for_backward was used after the call it belongs to had finished"):
+        ctx.save_for_backward(X)
+    with pytest.raises(RuntimeError, match=r"Leaky: ctx\.needs_input_grad was used after"):
+        ctx.needs_input_grad  # noqa: B018
+    with pytest.raises(RuntimeError, match=r"Leaky: ctx\.k was used after"):
+        ctx.k = 1.0
+
+
+def test_missing_ctx_attribute_in_backward_raises_naming_it():
+    class Bad(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.scale
+
+    with pytest.raises(AttributeError, match=r"Bad\.backward: ctx has no attribute 'scale'; set it in forward"):
+        jax.grad(lambda x: Bad.apply(x).sum())(X)
+
+
+# ---------------------------------------------------------------------------
+# Differentiating what cannot be differentiated
+
+
+def test_grad_of_a_function_without_backward_raises():
+    class NoBackward(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+    np.testing.assert_allclose(NoBackward.apply(X), 2 * X)  # plain evaluation is fine
+    with pytest.raises(TypeError, match=r"NoBackward cannot be differentiated: it defines no backward"):
+        jax.grad(lambda x: NoBackward.apply(x).sum())(X)
+
+
+def test_jvp_of_a_function_with_only_forward_raises():
+    class OnlyForward(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+    with pytest.raises(TypeError, match=r"OnlyForward cannot be differentiated"):
+        jax.jvp(OnlyForward.apply, (X,), (jnp.ones(3),))
+
+
+def _reverse_only():
+    class ReverseOnly(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return jnp.sin(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * jnp.cos(x)
+
+    return ReverseOnly
+
+
+NO_JVP = r"ReverseOnly has no forward-mode derivative .*defines backward but no jvp.*Add a jvp\(ctx, \*tangents\) staticmethod to ReverseOnly"
+
+
+def test_jvp_of_a_function_without_jvp_raises():
+    f = _reverse_only().apply
+    with pytest.raises(TypeError, match=NO_JVP):
+        jax.jvp(f, (X,), (jnp.ones(3),))
+
+
+def test_jvp_inside_jit_of_a_function_without_jvp_raises():
+    f = _reverse_only().apply
+    with pytest.raises(TypeError, match=NO_JVP):
+        jax.jit(lambda x, t: jax.jvp(f, (x,), (t,)))(X, jnp.ones(3))
+
+
+def test_jacfwd_of_a_function_without_jvp_raises():
+    f = _reverse_only().apply
+    with pytest.raises(TypeError, match=NO_JVP):
+        jax.jacfwd(f)(X)
+
+
+def test_jacfwd_inside_jit_of_a_function_without_jvp_raises():
+    f = _reverse_only().apply
+    with pytest.raises(TypeError, match=NO_JVP):
+        jax.jit(jax.jacfwd(f))(X)
+
+
+def test_jvp_after_grad_of_the_same_function_still_raises():
+    # Reverse mode first, so JAX may reuse a forward rule it has already traced.
+    f = _reverse_only().apply
+    jax.grad(lambda x: f(x).sum())(X)
+    with pytest.raises(TypeError, match=NO_JVP):
+        jax.jvp(f, (X,), (jnp.ones(3),))
+
+
+# ---------------------------------------------------------------------------
+# Defining and calling
+
+
+def test_unknown_decorator_option_raises():
+    with pytest.raises(TypeError, match=r"vjpkit\.function got unknown option\(s\) jitt; expected some of: .*jit"):
+
+        @vjpkit.function(jitt=False)
+        class Typo:
+            @staticmethod
+            def forward(ctx, x):
+                return x
+
+
+def _mul():
+    class Mul(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, g
+
+    return Mul
+
+
+def test_apply_with_too_many_arguments_raises():
+    with pytest.raises(TypeError, match=r"Mul\.apply takes 2 positional arguments \(x, w\) but 3 were given"):
+        _mul().apply(X, W, X)
+
+
+def test_apply_with_an_unexpected_keyword_raises():
+    with pytest.raises(TypeError, match=r"Mul\.apply got an unexpected keyword argument 'v'"):
+        _mul().apply(X, v=W)
+
+
+def test_apply_with_a_missing_argument_raises():
+    with pytest.raises(TypeError, match=r"Mul\.apply missing required argument 'w'"):
+        _mul().apply(X)
+
+
+def test_apply_with_an_argument_given_twice_raises():
+    with pytest.raises(TypeError, match=r"Mul\.apply got multiple values for argument 'x'"):
+        _mul().apply(X, W, x=X)
+
+
+def test_forward_without_ctx_parameter_raises_at_class_creation():
+    with pytest.raises(TypeError, match=r"NoCtx\.forward must take ctx as its first parameter"):
+
+        class NoCtx(vjpkit.Function):
+            @staticmethod
+            def forward(*, x):
+                return x
+
+
+def test_forward_with_var_keyword_raises_at_class_creation():
+    with pytest.raises(TypeError, match=r"Kw\.forward takes \*\*kwargs"):
+
+        class Kw(vjpkit.Function):
+            @staticmethod
+            def forward(ctx, x, **kwargs):
+                return x
+
+
+def test_forward_returning_no_array_raises():
+    class NoArray(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return "done"
+
+    with pytest.raises(TypeError, match=r"NoArray\.forward returned no array \('done'\)"):
+        NoArray.apply(X)
+
+
+def test_numpy_on_a_traced_array_raises_with_a_hint():
+    class HostCode(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return jnp.asarray(np.sort(np.asarray(x)))
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(TypeError, match=re.escape("HostCode.forward converted a traced JAX array to NumPy")) as info:
+        HostCode.apply(X)
+    assert "host=True" in str(info.value)
