@@ -25,6 +25,7 @@ from jax.errors import TracerArrayConversionError
 from . import _jax_internals
 from ._args import Layout, Signature, as_jax_leaf, split_static, static_key_of
 from ._ctx import FunctionCtx, is_array
+from ._forward import forward_mode_function
 from ._once import call_without_derivative, is_once_differentiable
 from ._outputs import (
     Packed,
@@ -138,19 +139,22 @@ class _Program:
         self.param_of_dynamic = tuple(param_of_leaf[k] for k in layout.dynamic)
         self.n_params = n_values
 
-        primal = _named(self._primal, spec.name)
-        self.custom_vjp = jax.custom_vjp(primal)
-        self.custom_vjp.defvjp(
-            _named(self._fwd, f"{spec.name}.forward"),
-            _named(self._bwd, f"{spec.name}.backward"),
-            symbolic_zeros=True,
-        )
+        # The differentiable function of the array leaves, returning Packed.
+        if spec.jvp is None:
+            self.differentiable = jax.custom_vjp(_named(self._primal, spec.name))
+            self.differentiable.defvjp(
+                _named(self._fwd, f"{spec.name}.forward"),
+                _named(self._bwd, f"{spec.name}.backward"),
+                symbolic_zeros=True,
+            )
+        else:
+            self.differentiable = forward_mode_function(self)
         self.jitted = jax.jit(_named(self._jit_body, spec.name))
 
     # -- calling ---------------------------------------------------------
 
     def _jit_body(self, *arrays: Any) -> Any:
-        packed = self.custom_vjp(*arrays)
+        packed = self.differentiable(*arrays)
         # jit can return static leaves only inside a pytree's static data.
         return packed if packed.layout.static else packed.unpack()
 
@@ -251,13 +255,19 @@ class _Program:
         def backward_of_arrays(*xs: Any) -> list:
             return self._backward(meta, xs[:n_res], jax.tree_util.tree_unflatten(grad_treedef, xs[n_res:]))
 
-        message = (
+        return tuple(
+            call_without_derivative(
+                backward_of_arrays, (*residuals.arrays, *grad_leaves), self.once_message()
+            )
+        )
+
+    def once_message(self) -> str:
+        return (
             f"{self.spec.name}.backward is decorated with @once_differentiable, so it "
             "cannot be differentiated (a second derivative such as jax.hessian or "
             "grad of grad was asked for). Remove the decorator if backward is "
             "written in differentiable JAX operations."
         )
-        return tuple(call_without_derivative(backward_of_arrays, (*residuals.arrays, *grad_leaves), message))
 
     def _backward(self, meta: _ResidualMeta, res_arrays: Any, grads: tuple) -> list:
         spec = self.spec
@@ -337,7 +347,7 @@ class _Cache:
             if not spec.jit or _jax_internals.is_staging():
                 # Under an outer jit (or scan, checkpoint, ...) the custom_vjp
                 # inlines into the caller's program; jit=False runs op by op.
-                return program.custom_vjp(*map(as_jax_leaf, arrays)).unpack()
+                return program.differentiable(*map(as_jax_leaf, arrays)).unpack()
             out = program.jitted(*arrays)
         except TypeError as e:
             # JAX reuses a forward rule it traced for reverse mode, so vjpkit's

@@ -8,13 +8,17 @@ that moves one fails here, loudly, rather than somewhere in a trace.
 from __future__ import annotations
 
 import sys
+from typing import Any, Callable, Sequence
 
+import jax
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 
-__all__ = ["is_staging", "called_from_forward_mode"]
+__all__ = ["is_staging", "called_from_forward_mode", "linear_call", "symbolic_zero_like"]
 
 _DynamicJaxprTrace = _pe.DynamicJaxprTrace
 _JVP_CUSTOM_VJP_CODE = _ad.JVPTrace.process_custom_vjp_call.__code__
@@ -58,3 +62,175 @@ def called_from_forward_mode(max_depth: int = 32) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def symbolic_zero_like(x: Any) -> Any:
+    """A ``SymbolicZero`` tangent for primal ``x`` (float0 for integer ``x``)."""
+    from jax.custom_derivatives import SymbolicZero
+
+    return SymbolicZero(_core.typeof(x).strip_weak_type().to_tangent_aval())
+
+
+# ---------------------------------------------------------------------------
+# ``linear_call``: a function linear in some inputs, with its own transpose.
+#
+# Forward mode needs the user's ``jvp`` and reverse mode the user's
+# ``backward`` on ONE function, which neither ``custom_jvp`` nor
+# ``custom_vjp`` allows (jax#3996). vjpkit's ``custom_jvp`` rule returns its
+# tangent through this primitive: evaluating it runs ``apply`` (the user's
+# jvp); transposing it binds the same primitive with ``apply`` and
+# ``transpose`` swapped (so reverse mode runs the user's backward, and the
+# transpose of the transpose is the jvp again). Unlike JAX's own
+# ``custom_derivatives.linear_call`` it batches (both rules, lazily, under
+# ``jax.vmap``) and its JVP also differentiates through the residuals, so
+# ``jax.hessian``, ``jacfwd(jacrev)`` and ``jacrev(jacfwd)`` are right.
+
+_linear_call_p = _core.Primitive("vjpkit_linear_call")
+_linear_call_p.multiple_results = True
+
+
+def linear_call(
+    residuals: Sequence[Any],
+    linear_inputs: Sequence[Any],
+    *,
+    apply: Callable,
+    transpose: Callable | None,
+    out_avals: Sequence[Any],
+    name: str,
+) -> list:
+    """``apply(residuals, linear_inputs)``, linear in ``linear_inputs``.
+
+    ``transpose(residuals, cotangents)`` returns one cotangent per linear
+    input; ``None`` means "transpose ``apply`` with ``jax.linear_transpose``".
+    A ``transpose`` with the attribute ``takes_symbolic_zeros`` receives
+    ``None`` for cotangents that JAX knows are zero.
+    ``out_avals`` are ``apply``'s output types (no tracing to find them).
+    """
+    return _linear_call_p.bind(
+        *residuals,
+        *linear_inputs,
+        num_res=len(residuals),
+        apply=apply,
+        transpose=transpose,
+        out_avals=tuple(out_avals),
+        name=name,
+    )
+
+
+def _split(args: Sequence[Any], num_res: int) -> tuple[tuple, tuple]:
+    return tuple(args[:num_res]), tuple(args[num_res:])
+
+
+def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name):
+    res, lin = _split(args, num_res)
+    return list(apply(res, lin))
+
+
+_linear_call_p.def_impl(_linear_call_impl)
+_linear_call_p.def_abstract_eval(lambda *args, out_avals, **_: list(out_avals))
+_mlir.register_lowering(_linear_call_p, _mlir.lower_fun(_linear_call_impl, multiple_results=True))
+
+
+def _transpose_by_jax(apply: Callable, name: str, in_avals: Sequence[Any]) -> Callable:
+    def transposed(res: tuple, cts: tuple) -> list:
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
+        try:
+            linear_transpose = jax.linear_transpose(lambda *lin: list(apply(res, lin)), *structs)
+            return list(linear_transpose(list(cts)))
+        except Exception as e:  # JAX raises several types for non-linear code
+            raise TypeError(
+                f"{name} defines jvp but no backward, so reverse mode (jax.grad, "
+                f"jax.vjp, jax.jacrev) transposes {name}.jvp, which must then be "
+                "linear in the tangents and written in transposable JAX "
+                f"operations; transposing it failed: {e}. Define "
+                f"{name}.backward(ctx, *grad_outputs) instead."
+            ) from e
+
+    return transposed
+
+
+def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name):
+    res, lin = _split(args, num_res)
+    if any(_ad.is_undefined_primal(r) for r in res):
+        raise TypeError(f"{name}: internal error: a residual of linear_call is linear.")
+    in_avals = tuple(x.aval for x in lin)
+    zero = tuple(type(ct) is _ad.Zero for ct in cts)
+    cts = [_ad.instantiate_zeros(ct) for ct in cts]
+    if transpose is None:
+        transpose = _transpose_by_jax(apply, name, in_avals)
+    elif any(zero) and getattr(transpose, "takes_symbolic_zeros", False):
+        # The rule wants to know which cotangents JAX knows are zero (vjpkit:
+        # backward sees None for them when materialization is off).
+        transpose = _with_zeros_as_none(transpose, zero)
+    cts_in = linear_call(res, cts, apply=transpose, transpose=apply, out_avals=in_avals, name=name)
+    return [None] * num_res + list(cts_in)
+
+
+def _with_zeros_as_none(rule: Callable, zero: tuple) -> Callable:
+    def rule_with_zeros(res: tuple, cts: tuple) -> list:
+        return rule(res, tuple(None if z else ct for z, ct in zip(zero, cts)))
+
+    return rule_with_zeros
+
+
+def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name):
+    params = dict(num_res=num_res, apply=apply, transpose=transpose, out_avals=out_avals, name=name)
+    out = _linear_call_p.bind(*primals, **params)
+    res, lin = _split(primals, num_res)
+    d_res, d_lin = _split(tangents, num_res)
+    parts = []
+    if not all(type(t) is _ad.Zero for t in d_lin):
+        # Linear in lin: its derivative along d_lin is itself (same rules).
+        parts.append(_linear_call_p.bind(*res, *map(_ad.instantiate_zeros, d_lin), **params))
+    if not all(type(t) is _ad.Zero for t in d_res):
+        # Not linear in the residuals: differentiate the rule's JAX code.
+        _, d_out = jax.jvp(
+            lambda *r: list(apply(r, lin)), list(res), list(map(_ad.instantiate_zeros, d_res))
+        )
+        parts.append(d_out)
+    if not parts:
+        return out, [_ad.Zero(a.to_tangent_aval()) for a in out_avals]
+    tangent_out = parts[0] if len(parts) == 1 else [a + b for a, b in zip(*parts)]
+    return out, list(tangent_out)
+
+
+def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name):
+    if all(d is None for d in dims):
+        out = linear_call(
+            args[:num_res], args[num_res:], apply=apply, transpose=transpose, out_avals=out_avals, name=name
+        )
+        return out, [None] * len(out)
+    size = axis_data.size
+    res, lin = _split(args, num_res)
+    res_dims, lin_dims = _split(dims, num_res)
+    res = tuple(
+        x if d is None else _batching.moveaxis(x, d, 0) for x, d in zip(res, res_dims)
+    )
+    res_axes = tuple(None if d is None else 0 for d in res_dims)
+    # Every linear input batched at 0: the transposed rule then maps cleanly.
+    lin = tuple(_batching.bdim_at_front(x, d, size) for x, d in zip(lin, lin_dims))
+
+    def vmapped(rule: Callable) -> Callable:
+        def batched_rule(r: tuple, xs: tuple) -> list:
+            return jax.vmap(lambda r_, xs_: list(rule(r_, xs_)), in_axes=(res_axes, 0))(r, xs)
+
+        batched_rule.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)
+        return batched_rule
+
+    batched_out_avals = tuple(
+        _core.ShapedArray((size, *a.shape), a.dtype, weak_type=a.weak_type) for a in out_avals
+    )
+    out = linear_call(
+        res,
+        lin,
+        apply=vmapped(apply),
+        transpose=None if transpose is None else vmapped(transpose),
+        out_avals=batched_out_avals,
+        name=name,
+    )
+    return out, [0] * len(out)
+
+
+_ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
+_ad.primitive_transposes[_linear_call_p] = _linear_call_transpose
+_batching.fancy_primitive_batchers[_linear_call_p] = _linear_call_batch
