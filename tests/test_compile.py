@@ -1,0 +1,245 @@
+"""Compilation (design.md, "Compilation" and "When user code runs"): `apply`
+is jit-compiled, one program per static signature, traced once; inside an
+outer `jit` it inlines; `jit=False` runs op by op; the cache is LRU-bounded
+and safe to use from several threads.
+"""
+
+import threading
+
+import chex
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+
+import vjpkit
+
+X = jnp.array([0.5, -1.0, 2.0])
+
+
+def counting_exp(calls, **options):
+    """``exp(x) * c``; appends to ``calls`` each time forward runs."""
+
+    @vjpkit.function(**options)
+    class Exp:
+        @staticmethod
+        def forward(ctx, x, c=1.0):
+            calls.append(x)
+            y = jnp.exp(x) * c
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * y, None
+
+    return Exp
+
+
+def test_apply_is_jit_compiled_by_default():
+    calls = []
+    Exp = counting_exp(calls)
+    chex.assert_trees_all_close(Exp.apply(X), jnp.exp(X))
+    assert isinstance(calls[0], jax.core.Tracer)  # forward ran while JAX traced
+
+
+def test_repeated_calls_never_retrace():
+    calls = []
+    Exp = counting_exp(calls)
+    for i in range(5):
+        chex.assert_trees_all_close(Exp.apply(X + i), jnp.exp(X + i))
+    assert len(calls) == 1
+
+
+def test_repeated_calls_with_keyword_and_static_arguments_never_retrace():
+    calls = []
+    Exp = counting_exp(calls)
+    for i in range(5):
+        Exp.apply(x=X + i, c=2.0)
+    assert len(calls) == 1
+
+
+def test_repeated_gradients_never_retrace():
+    calls = []
+    Exp = counting_exp(calls)
+    grad = jax.grad(lambda x: Exp.apply(x).sum())
+    chex.assert_trees_all_close(grad(X), jnp.exp(X))
+    traced = len(calls)
+    for i in range(3):
+        chex.assert_trees_all_close(grad(X + i), jnp.exp(X + i))
+    assert len(calls) == traced
+
+
+def test_one_program_per_static_signature():
+    calls = []
+    Exp = counting_exp(calls)
+    Exp.apply(X, 2.0)
+    Exp.apply(X + 1, 2.0)
+    Exp.apply(X, 3.0)
+    Exp.apply(X, c=3.0)
+    info = Exp.cache_info()
+    assert (info.programs, info.hits, info.misses) == (2, 2, 2)
+    assert len(calls) == 2
+
+
+def test_new_input_shape_traces_again_within_the_same_program():
+    calls = []
+    Exp = counting_exp(calls)
+    Exp.apply(X)
+    Exp.apply(jnp.ones((2, 2)))
+    Exp.apply(jnp.ones((2, 2)) * 3)
+    assert Exp.cache_info().programs == 1  # JAX's jit cache handles shapes
+    assert [c.shape for c in calls] == [(3,), (2, 2)]
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, and of the jaxprs nested in its parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for inner in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(inner)
+
+
+def test_inside_an_outer_jit_it_inlines():
+    Exp = counting_exp([])
+
+    @jax.jit
+    def outer(x):
+        return Exp.apply(x, 2.0) * 3
+
+    (outer_eqn,) = jax.make_jaxpr(outer)(X).jaxpr.eqns
+    assert outer_eqn.primitive.name in ("jit", "pjit")
+    body = outer_eqn.params["jaxpr"].jaxpr
+    names = [eqn.primitive.name for eqn in _eqns(body)]
+    assert "custom_vjp_call" in names
+    assert not {"jit", "pjit"} & set(names), names
+    chex.assert_trees_all_close(outer(X), jnp.exp(X) * 6)
+
+
+def test_gradient_inside_an_outer_jit_inlines():
+    Exp = counting_exp([])
+    grad = jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))
+    (outer_eqn,) = jax.make_jaxpr(grad)(X).jaxpr.eqns
+    names = [eqn.primitive.name for eqn in _eqns(outer_eqn.params["jaxpr"].jaxpr)]
+    assert not {"jit", "pjit"} & set(names), names
+    chex.assert_trees_all_close(grad(X), jnp.exp(X))
+
+
+def test_jit_false_option_runs_forward_on_concrete_arrays(capsys):
+    seen = []
+
+    @vjpkit.function(jit=False)
+    class Debug:
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(float(x[0]))  # would fail on a tracer
+            print("forward sees", np.asarray(x))
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    chex.assert_trees_all_close(Debug.apply(X), X * X)
+    Debug.apply(X + 1)
+    assert seen == [0.5, 1.5]  # op by op: forward runs on every call
+    assert "forward sees [ 0.5 -1.   2. ]" in capsys.readouterr().out
+    chex.assert_trees_all_close(jax.grad(lambda x: Debug.apply(x).sum())(X), 2 * X)
+
+
+def test_jit_false_class_attribute_runs_op_by_op():
+    seen = []
+
+    class Debug(vjpkit.Function):
+        jit = False
+
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(isinstance(x, jax.core.Tracer))
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    Debug.apply(X)
+    Debug.apply(X)
+    assert seen == [False, False]
+
+
+def test_cache_keeps_at_most_cache_size_programs():
+    calls = []
+    Exp = counting_exp(calls, cache_size=2)
+    for c in (1.0, 2.0, 3.0):
+        Exp.apply(X, c)
+    info = Exp.cache_info()
+    assert (info.programs, info.maxsize) == (2, 2)
+
+
+def test_cache_drops_the_least_recently_used_program():
+    calls = []
+    Exp = counting_exp(calls, cache_size=2)
+    Exp.apply(X, 1.0)
+    Exp.apply(X, 2.0)
+    Exp.apply(X, 1.0)  # 1.0 is now the most recently used
+    Exp.apply(X, 3.0)  # drops 2.0
+    assert len(calls) == 3
+    Exp.apply(X, 1.0)  # still cached
+    assert len(calls) == 3
+    Exp.apply(X, 2.0)  # was dropped: traced again
+    assert len(calls) == 4
+
+
+def test_cache_size_class_attribute_bounds_the_cache():
+    class Scale(vjpkit.Function):
+        cache_size = 1
+
+        @staticmethod
+        def forward(ctx, x, c):
+            return x * c
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None
+
+    for c in (1.0, 2.0, 3.0):
+        Scale.apply(X, c)
+    assert Scale.cache_info().programs == 1
+
+
+def test_concurrent_calls_from_eight_threads_match_serial_results():
+    calls = []
+    Exp = counting_exp(calls)
+    jobs = [(jnp.linspace(-1.0, 1.0, 2 + i % 4), float(1 + i % 3)) for i in range(8)]
+
+    def run(x, c):
+        value = Exp.apply(x, c)
+        grad = jax.grad(lambda x: Exp.apply(x, c).sum())(x)
+        return value, grad
+
+    results = [None] * 8
+    errors = []
+    barrier = threading.Barrier(8)
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = run(*jobs[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+    for (x, c), (value, grad) in zip(jobs, results):
+        chex.assert_trees_all_close(value, jnp.exp(x) * c)
+        chex.assert_trees_all_close(grad, jnp.exp(x) * c)
+        chex.assert_trees_all_close((value, grad), run(x, c))
+    assert Exp.cache_info().programs == 3  # one per distinct c
