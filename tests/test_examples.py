@@ -1,0 +1,86 @@
+"""Every `examples/*.py` runs as a user would run it and exits 0.
+
+Each example checks its own numbers against `jax.grad` of the plain math and
+exits non-zero on a mismatch, so this file only needs the exit status.
+
+An example that needs optional packages says so in a comment line near the
+top, e.g. `# requires: optax, sklearn` (import names); it is skipped when
+one of them is not importable. Examples run in subprocesses, several at a
+time (they are independent, and most of each run is importing JAX), each
+with a timeout: `VJPKIT_EXAMPLE_TIMEOUT` seconds, 300 by default.
+"""
+
+import concurrent.futures
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES_DIR = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
+TIMEOUT_S = float(os.environ.get("VJPKIT_EXAMPLE_TIMEOUT", "300"))
+REQUIRES_LINE = re.compile(r"^#\s*requires:\s*(.+)$", re.MULTILINE)
+
+
+def required_modules(path):
+    """Import names listed on `# requires:` lines in the example's first 30 lines."""
+    head = "\n".join(path.read_text().splitlines()[:30])
+    return [name for line in REQUIRES_LINE.findall(head) for name in re.split(r"[,\s]+", line) if name]
+
+
+def missing_modules(path):
+    return [name for name in required_modules(path) if importlib.util.find_spec(name) is None]
+
+
+def run_example(path):
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    try:
+        return subprocess.run(
+            [sys.executable, str(path)],
+            cwd=EXAMPLES_DIR.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as error:
+        return error
+
+
+def example_param(path):
+    missing = missing_modules(path)
+    marks = [pytest.mark.skip(reason=f"needs {', '.join(missing)}")] if missing else []
+    return pytest.param(path, id=path.stem, marks=marks)
+
+
+@pytest.fixture(scope="module")
+def example_runs(request):
+    """Start every selected, runnable example at once; tests then wait on their own."""
+    selected = [
+        item.callspec.params["example"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_example_runs"
+        and not missing_modules(item.callspec.params["example"])
+    ]
+    workers = max(2, min(len(selected), os.cpu_count() or 2))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        yield {path: pool.submit(run_example, path) for path in selected}
+
+
+def test_examples_exist():
+    assert EXAMPLES, f"no examples found in {EXAMPLES_DIR}"
+
+
+@pytest.mark.parametrize("example", [example_param(p) for p in EXAMPLES])
+def test_example_runs(example, example_runs):
+    result = example_runs[example].result()
+    if isinstance(result, subprocess.TimeoutExpired):
+        pytest.fail(f"{example.name} did not finish within {TIMEOUT_S:g} s")
+    assert result.returncode == 0, (
+        f"python examples/{example.name} exited with {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+    )
