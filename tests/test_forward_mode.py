@@ -1,0 +1,432 @@
+"""Forward mode: ``jvp`` alone, and ``jvp`` with ``backward`` on one Function.
+
+Every expected value is JAX autodiff of the same math written in plain jnp.
+"""
+
+import collections
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpkit
+
+# ---------------------------------------------------------------------------
+# Functions with both rules, each paired with its plain-jnp reference.
+
+
+class Sin(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+        return jnp.sin(x)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return jnp.cos(x) * t
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return jnp.cos(x) * g
+
+
+class Exp(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = jnp.exp(x)
+        ctx.save_for_backward(y)
+        ctx.save_for_forward(y)
+        return y
+
+    @staticmethod
+    def jvp(ctx, t):
+        (y,) = ctx.saved_tensors
+        return y * t
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return y * g
+
+
+class Linear(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.save_for_forward(x, w)
+        return x @ w.T + b
+
+    @staticmethod
+    def jvp(ctx, tx, tw, tb):
+        x, w = ctx.saved_tensors
+        return tx @ w.T + x @ tw.T + tb
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.T @ x, g.sum(0)
+
+
+class Softmax(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = jax.nn.softmax(x, axis=-1)
+        ctx.save_for_backward(y)
+        ctx.save_for_forward(y)
+        return y
+
+    @staticmethod
+    def jvp(ctx, t):
+        (y,) = ctx.saved_tensors
+        return y * (t - (y * t).sum(-1, keepdims=True))
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return y * (g - (y * g).sum(-1, keepdims=True))
+
+
+W = jnp.array([[0.3, -0.2, 0.5], [0.1, 0.4, -0.6]])
+B = jnp.array([0.05, -0.1])
+
+# name -> (vjpkit function of x, plain-jnp function of x)
+CASES = {
+    "sin": (Sin.apply, jnp.sin),
+    "exp": (Exp.apply, jnp.exp),
+    "linear": (lambda x: Linear.apply(x, W, B), lambda x: x @ W.T + B),
+    "softmax": (Softmax.apply, lambda x: jax.nn.softmax(x, axis=-1)),
+}
+X = jnp.array([[0.2, -0.5, 0.9], [1.1, 0.3, -0.7]])
+
+
+def scalar(f):
+    return lambda x: jnp.sum(f(x) ** 2)
+
+
+def scan_of(f):
+    def body(carry, row):
+        return carry + jnp.sum(f(row[None])), None
+
+    return lambda x: jax.lax.scan(body, 0.0, x)[0]
+
+
+# transformation name -> how to apply it to (function, x)
+TRANSFORMS = {
+    "jvp": lambda f, x: jax.jvp(f, (x,), (jnp.ones_like(x),)),
+    "linearize": lambda f, x: jax.linearize(f, x)[1](jnp.ones_like(x)),
+    "jacfwd": lambda f, x: jax.jacfwd(f)(x),
+    "grad": lambda f, x: jax.grad(scalar(f))(x),
+    "vjp": lambda f, x: jax.vjp(f, x)[1](jnp.ones_like(f(x))),
+    "jacrev": lambda f, x: jax.jacrev(f)(x),
+    "hessian": lambda f, x: jax.hessian(scalar(f))(x),
+    "jacfwd(jacrev)": lambda f, x: jax.jacfwd(jax.jacrev(scalar(f)))(x),
+    "jacrev(jacfwd)": lambda f, x: jax.jacrev(jax.jacfwd(scalar(f)))(x),
+    "jit(jacfwd)": lambda f, x: jax.jit(jax.jacfwd(f))(x),
+    "vmap(jacfwd)": lambda f, x: jax.vmap(jax.jacfwd(lambda r: f(r[None])[0]))(x),
+    "vmap(grad)": lambda f, x: jax.vmap(jax.grad(lambda r: jnp.sum(f(r[None]) ** 2)))(x),
+    "jvp(vmap)": lambda f, x: jax.jvp(jax.vmap(lambda r: f(r[None])[0]), (x,), (jnp.ones_like(x),)),
+    "grad(scan)": lambda f, x: jax.grad(scan_of(f))(x),
+    "jvp(scan)": lambda f, x: jax.jvp(scan_of(f), (x,), (jnp.ones_like(x),)),
+    "grad(checkpoint)": lambda f, x: jax.grad(jax.checkpoint(scalar(f)))(x),
+    "jvp(checkpoint)": lambda f, x: jax.jvp(jax.checkpoint(f), (x,), (jnp.ones_like(x),)),
+    "jit(hessian)": lambda f, x: jax.jit(jax.hessian(scalar(f)))(x),
+}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("case", CASES)
+def test_both_rules_match_autodiff_under(case, transform):
+    f, reference = CASES[case]
+    apply_transform = TRANSFORMS[transform]
+    chex.assert_trees_all_close(
+        apply_transform(f, X), apply_transform(reference, X), rtol=1e-5, atol=1e-6
+    )
+
+
+# ---------------------------------------------------------------------------
+# Each mode uses its own rule.
+
+
+def counting_sin():
+    calls = collections.Counter()
+
+    class CountingSin(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            ctx.save_for_forward(x)
+            return jnp.sin(x)
+
+        @staticmethod
+        def jvp(ctx, t):
+            calls["jvp"] += 1
+            (x,) = ctx.saved_tensors
+            return jnp.cos(x) * t
+
+        @staticmethod
+        def backward(ctx, g):
+            calls["backward"] += 1
+            (x,) = ctx.saved_tensors
+            return jnp.cos(x) * g
+
+    return CountingSin, calls
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda f, x: jax.jvp(f, (x,), (x,)),
+        lambda f, x: jax.jacfwd(f)(x),
+        lambda f, x: jax.linearize(f, x)[1](x),
+    ],
+    ids=["jvp", "jacfwd", "linearize"],
+)
+def test_forward_mode_calls_jvp_and_never_backward(run):
+    cls, calls = counting_sin()
+    run(cls.apply, jnp.arange(3.0))
+    assert calls["jvp"] >= 1
+    assert calls["backward"] == 0
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda f, x: jax.grad(lambda x: f(x).sum())(x),
+        lambda f, x: jax.vjp(f, x)[1](x),
+        lambda f, x: jax.jacrev(f)(x),
+    ],
+    ids=["grad", "vjp", "jacrev"],
+)
+def test_reverse_mode_calls_backward_and_never_jvp(run):
+    cls, calls = counting_sin()
+    run(cls.apply, jnp.arange(3.0))
+    assert calls["backward"] >= 1
+    assert calls["jvp"] == 0
+
+
+# ---------------------------------------------------------------------------
+# ctx in jvp.
+
+
+def test_saved_tensors_in_jvp_are_what_save_for_forward_saved():
+    # backward's saved value is 10 x: a jvp that saw it would give 10x the tangent.
+    class Both(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x * 10)
+            ctx.save_for_forward(x)
+            return x**2
+
+        @staticmethod
+        def jvp(ctx, t):
+            (x,) = ctx.saved_tensors
+            return 2 * x * t
+
+        @staticmethod
+        def backward(ctx, g):
+            (x10,) = ctx.saved_tensors
+            return 2 * (x10 / 10) * g
+
+    x = jnp.array([1.0, 2.0])
+    _, tangent = jax.jvp(Both.apply, (x,), (jnp.ones(2),))
+    np.testing.assert_allclose(tangent, [2.0, 4.0])
+    np.testing.assert_allclose(jax.grad(lambda x: Both.apply(x).sum())(x), [2.0, 4.0])
+
+
+def test_jvp_gets_none_for_static_inputs_and_zeros_for_unperturbed_inputs():
+    seen = {}
+
+    class Scale(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, y, k):
+            ctx.save_for_forward(x, y)
+            return x * y * k
+
+        @staticmethod
+        def jvp(ctx, tx, ty, tk):
+            seen.update(ty_shape=None if ty is None else ty.shape, tk=tk, needs=ctx.needs_input_grad)
+            x, y = ctx.saved_tensors
+            return (tx * y + x * ty) * 3.0
+
+    x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+    _, t = jax.jvp(lambda x: Scale.apply(x, y, 3.0), (x,), (jnp.ones(2),))
+    np.testing.assert_allclose(t, 3.0 * y)
+    assert seen["tk"] is None
+    assert seen["ty_shape"] == (2,)  # zeros: the result above has no x * ty term
+    assert seen["needs"] == (True, False, False)
+
+
+def test_jvp_gets_none_for_unperturbed_inputs_without_materialization():
+    seen = {}
+
+    class Mul(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.set_materialize_grads(False)
+            ctx.save_for_forward(x, y)
+            return x * y
+
+        @staticmethod
+        def jvp(ctx, tx, ty):
+            seen["ty"] = ty
+            x, y = ctx.saved_tensors
+            return tx * y if ty is None else tx * y + x * ty
+
+    x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+    _, t = jax.jvp(lambda x: Mul.apply(x, y), (x,), (jnp.ones(2),))
+    np.testing.assert_allclose(t, y)
+    assert seen["ty"] is None
+
+
+def test_backward_sees_none_for_unused_output_without_materialization_on_the_both_rules_path():
+    seen = {}
+
+    class Pair(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.set_materialize_grads(False)
+            return x * 2, x * 3
+
+        @staticmethod
+        def jvp(ctx, t):
+            return t * 2, t * 3
+
+        @staticmethod
+        def backward(ctx, g_first, g_second):
+            seen["second"] = g_second
+            return 2 * g_first
+
+    np.testing.assert_allclose(jax.grad(lambda x: Pair.apply(x)[0].sum())(jnp.ones(2)), [2.0, 2.0])
+    assert seen["second"] is None
+
+
+def test_tuple_output_gets_one_tangent_per_element():
+    class SinCos(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_forward(x)
+            return jnp.sin(x), jnp.cos(x)
+
+        @staticmethod
+        def jvp(ctx, t):
+            (x,) = ctx.saved_tensors
+            return jnp.cos(x) * t, -jnp.sin(x) * t
+
+    x = jnp.array([0.3, 0.7])
+    _, (ts, tc) = jax.jvp(SinCos.apply, (x,), (jnp.ones(2),))
+    np.testing.assert_allclose(ts, jnp.cos(x), rtol=1e-6)
+    np.testing.assert_allclose(tc, -jnp.sin(x), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# jvp only: reverse mode by transposing the jvp.
+
+
+class SinJvpOnly(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_forward(x)
+        return jnp.sin(x)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return jnp.cos(x) * t
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "hessian", "vmap(grad)", "jacrev(jacfwd)"])
+def test_jvp_only_gets_reverse_mode_by_transposing_the_jvp(transform):
+    apply_transform = TRANSFORMS[transform]
+    chex.assert_trees_all_close(
+        apply_transform(SinJvpOnly.apply, X), apply_transform(jnp.sin, X), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_jvp_only_with_a_nonlinear_jvp_raises_naming_the_class_in_reverse_mode():
+    class NotLinear(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x**2
+
+        @staticmethod
+        def jvp(ctx, t):
+            return t**2  # not linear in t
+
+    with pytest.raises(TypeError, match=r"NotLinear defines jvp but no backward.*linear in the tangents"):
+        jax.grad(lambda x: NotLinear.apply(x).sum())(jnp.ones(2))
+
+
+# ---------------------------------------------------------------------------
+# jvp misuse.
+
+
+def test_jvp_returning_too_many_tangents_raises_naming_the_class():
+    class TooMany(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x, 2 * x
+
+        @staticmethod
+        def jvp(ctx, t):
+            return t, 2 * t, 3 * t
+
+    with pytest.raises(TypeError, match=r"TooMany\.jvp returned 3 tangents, expected 2 \(one per output"):
+        jax.jvp(TooMany.apply, (jnp.ones(2),), (jnp.ones(2),))
+
+
+def test_jvp_returning_a_wrong_shape_raises_naming_the_class():
+    class BadShape(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def jvp(ctx, t):
+            return jnp.ones(5)
+
+    with pytest.raises(ValueError, match=r"BadShape\.jvp returned a tangent of shape \(5,\) for output 0: expected shape \(2,\)"):
+        jax.jvp(BadShape.apply, (jnp.ones(2),), (jnp.ones(2),))
+
+
+def test_backward_only_function_still_raises_naming_the_class_in_forward_mode():
+    class OnlyBackward(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    with pytest.raises(TypeError, match=r"OnlyBackward has no forward-mode derivative.*define|OnlyBackward has no forward-mode derivative.*jvp\(ctx, \*tangents\)"):
+        jax.jacfwd(OnlyBackward.apply)(jnp.ones(2))
+
+
+def test_once_differentiable_backward_raises_under_hessian_with_both_rules():
+    class Cube(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            ctx.save_for_forward(x)
+            return x**3
+
+        @staticmethod
+        def jvp(ctx, t):
+            (x,) = ctx.saved_tensors
+            return 3 * x**2 * t
+
+        @staticmethod
+        @vjpkit.once_differentiable
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3 * x**2 * g
+
+    x = jnp.array([1.0, 2.0])
+    np.testing.assert_allclose(jax.grad(lambda x: Cube.apply(x).sum())(x), [3.0, 12.0])
+    with pytest.raises(RuntimeError, match=r"Cube\.backward is decorated with @once_differentiable"):
+        jax.jacrev(jax.grad(lambda x: Cube.apply(x).sum()))(x)
