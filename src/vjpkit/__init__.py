@@ -7,7 +7,7 @@ as in ``torch.autograd.Function``; vjpkit turns it into a jit-compiled
 
 from ._ctx import FunctionCtx
 from ._function import CacheInfo, Function, function
-# TMP from ._gradcheck import GradcheckError, gradcheck, gradgradcheck
+from ._gradcheck import GradcheckError, gradcheck, gradgradcheck
 from ._once import once_differentiable
 
 __all__ = [
