@@ -49,8 +49,11 @@ def called_from_forward_mode(max_depth: int = 32) -> bool:
     custom_vjp function", which cannot name the user's class. Looking for
     ``JVPTrace.process_custom_vjp_call`` among the callers lets vjpkit raise
     its own error while tracing. Only meaningful with
-    ``jax_use_direct_linearize`` on (the default), where reverse mode never
-    goes through ``JVPTrace``.
+    ``jax_use_direct_linearize`` on (the default), where reverse mode goes
+    through ``JVPTrace`` only to linearize a primitive that has no linearize
+    rule (``jax.checkpoint``'s ``remat_p``): ``ad.fallback_linearize_rule``
+    runs its JVP through ``ad.linearize_from_jvp``, which is not forward
+    mode, so that frame further up the stack means reverse mode.
     """
     if not _config.use_direct_linearize.value:
         return False
@@ -59,6 +62,18 @@ def called_from_forward_mode(max_depth: int = 32) -> bool:
         if frame is None:
             return False
         if frame.f_code is _JVP_CUSTOM_VJP_CODE:
+            return not _linearizing_by_jvp(frame)
+        frame = frame.f_back
+    return False
+
+
+_LINEARIZE_FROM_JVP_CODE = _ad.linearize_from_jvp.__code__
+
+
+def _linearizing_by_jvp(frame: Any) -> bool:
+    """Whether ``ad.linearize_from_jvp`` is among ``frame``'s callers."""
+    while frame is not None:
+        if frame.f_code is _LINEARIZE_FROM_JVP_CODE:
             return True
         frame = frame.f_back
     return False
@@ -178,19 +193,21 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
     out = _linear_call_p.bind(*primals, **params)
     res, lin = _split(primals, num_res)
     d_res, d_lin = _split(tangents, num_res)
-    parts = []
-    if not all(type(t) is _ad.Zero for t in d_lin):
-        # Linear in lin: its derivative along d_lin is itself (same rules).
-        parts.append(_linear_call_p.bind(*res, *map(_ad.instantiate_zeros, d_lin), **params))
-    if not all(type(t) is _ad.Zero for t in d_res):
-        # Not linear in the residuals: differentiate the rule's JAX code.
-        _, d_out = jax.jvp(
-            lambda *r: list(apply(r, lin)), list(res), list(map(_ad.instantiate_zeros, d_res))
-        )
-        parts.append(d_out)
-    if not parts:
+    if all(type(t) is _ad.Zero for t in tangents):
         return out, [_ad.Zero(a.to_tangent_aval()) for a in out_avals]
-    tangent_out = parts[0] if len(parts) == 1 else [a + b for a, b in zip(*parts)]
+    if all(type(t) is _ad.Zero for t in d_res):
+        # Only the linear inputs move: the derivative is the call itself, same rules.
+        return out, _linear_call_p.bind(*res, *map(_ad.instantiate_zeros, d_lin), **params)
+    # The residuals move too: differentiate the rule's JAX code along both at
+    # once. (Splitting it into call(res, d_lin) + d/d_res would compute the
+    # shared factors twice: a jax.hessian through it ran ~3x slower.) The
+    # linearization of JAX code is itself transposable, so reverse-over-
+    # forward still works; the primal stays the call, so it keeps its rules.
+    _, tangent_out = jax.jvp(
+        lambda r, l: list(apply(tuple(r), tuple(l))),
+        (list(res), list(lin)),
+        (list(map(_ad.instantiate_zeros, d_res)), list(map(_ad.instantiate_zeros, d_lin))),
+    )
     return out, list(tangent_out)
 
 
