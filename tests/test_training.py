@@ -1,0 +1,118 @@
+"""Training with vjpkit Functions: the numbers the examples promise.
+
+The examples expose their training loops as functions (``train_mlp.train``,
+``memory.measure``, ...); these tests call them with the examples directory
+on ``sys.path``, as ``python examples/NAME.py`` would have it. The sharded
+example needs 8 host devices, which XLA only creates at start-up, so it runs
+in a subprocess.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+EXAMPLES_DIR = pathlib.Path(__file__).resolve().parent.parent / "examples"
+BENCHMARKS_DIR = EXAMPLES_DIR.parent / "benchmarks"
+
+
+@pytest.fixture(autouse=True)
+def examples_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES_DIR))
+
+
+def quiet(line):
+    pass
+
+
+def test_layers_pass_gradcheck():
+    import layers
+
+    assert layers.gradcheck_layers() == ["Linear", "ReLU", "SoftmaxCrossEntropy"]
+
+
+def test_digits_classifier_reaches_95_percent_test_accuracy():
+    pytest.importorskip("optax")
+    pytest.importorskip("sklearn")
+    import train_mlp
+
+    _, history = train_mlp.train(log=quiet)
+
+    assert history["test_accuracy"][-1] >= 0.95
+    assert history["loss"][-1] < history["loss"][0] / 10
+
+
+def test_data_parallel_training_ends_at_the_single_device_loss():
+    pytest.importorskip("optax")
+    pytest.importorskip("sklearn")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "train_sharded.py", "--epochs", "3"],
+        cwd=EXAMPLES_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("8 devices (cpu)")
+    sharded, single = map(float, re.search(r"sharded ([\d.]+), one device ([\d.]+)", result.stdout).groups())
+    assert sharded == pytest.approx(single, rel=1e-4)
+
+
+def test_function_inside_equinox_module_trains_with_optax():
+    pytest.importorskip("equinox")
+    pytest.importorskip("optax")
+    import equinox_module
+
+    assert equinox_module.train(steps=300, log=quiet) < 1e-3
+
+
+def test_function_inside_flax_nnx_module_trains_with_optax():
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    import flax_nnx_module
+
+    assert flax_nnx_module.train(steps=300, log=quiet) < 1e-3
+
+
+def test_fused_cross_entropies_give_autodiff_gradients():
+    import memory
+
+    memory.check_same_gradients()
+
+
+def test_fused_cross_entropies_need_less_temporary_memory_than_autodiff():
+    import memory
+
+    temp = memory.measure(tokens=1024, d_model=128, vocab=16384)
+    plain = temp["plain autodiff"]
+    # Autodiff keeps logits and softmax, SoftmaxCrossEntropy the logits only.
+    assert temp["SoftmaxCrossEntropy"] / plain <= 0.55
+    # LinearCrossEntropy holds a few (tokens, 4096) chunks instead of (tokens, 16384).
+    assert temp["LinearCrossEntropy"] / plain <= 0.25
+
+
+def test_benchmark_autodiff_model_is_the_vjpkit_model(monkeypatch):
+    pytest.importorskip("optax")
+    pytest.importorskip("sklearn")
+    import jax
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import train_mlp
+    import train_step
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 64)).astype(np.float32)
+    y = rng.integers(0, 10, size=8).astype(np.int32)
+    params = train_mlp.init_params(jax.random.key(0))
+    want_loss, want_grads = jax.value_and_grad(train_step.plain_loss)(params, x, y)
+    got_loss, got_grads = jax.value_and_grad(train_mlp.loss_fn)(params, x, y)
+
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
