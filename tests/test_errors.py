@@ -278,6 +278,12 @@ def test_jacfwd_inside_jit_of_a_function_without_jvp_raises():
         jax.jit(jax.jacfwd(f))(X)
 
 
+def test_jvp_of_a_checkpointed_function_without_jvp_raises():
+    f = _reverse_only().apply
+    with pytest.raises(TypeError, match=NO_JVP):
+        jax.jvp(jax.checkpoint(f), (X,), (jnp.ones(3),))
+
+
 def test_jvp_after_grad_of_the_same_function_still_raises():
     # Reverse mode first, so JAX may reuse a forward rule it has already traced.
     f = _reverse_only().apply
