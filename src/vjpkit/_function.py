@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.errors import TracerArrayConversionError
 
-from . import _jax_internals
+from . import _host, _jax_internals
 from ._args import Layout, Signature, as_jax_leaf, split_static, static_key_of
 from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
@@ -65,6 +65,8 @@ class _Spec:
         self.jit = bool(cls.jit)
         self.cache_size = int(cls.cache_size)
         self.once_differentiable = is_once_differentiable(self.backward)
+        if cls.host:
+            _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
 
 
 def _defined(cls: type, method: str) -> Callable | None:
@@ -442,6 +444,7 @@ class Function(metaclass=_FunctionMeta):
 
     jit: bool = True
     cache_size: int = 256
+    host: bool = False  # forward/backward in NumPy (see _host.py)
 
     @staticmethod
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
@@ -476,7 +479,7 @@ class Function(metaclass=_FunctionMeta):
         return cache.info()
 
 
-_OPTIONS = ("jit", "cache_size")
+_OPTIONS = ("jit", "cache_size", "host", "vmap_method")
 
 
 def function(cls: type | None = None, /, **options: Any) -> Any:

@@ -1,0 +1,458 @@
+"""Host Functions: ``forward`` and ``backward`` written in NumPy, run through ``jax.pure_callback``.
+
+Usage::
+
+    @vjpkit.function(host=True)
+    class Solve:
+        @staticmethod
+        def output_shapes(A, b):          # receives jax.ShapeDtypeStructs
+            return b
+
+        @staticmethod
+        def forward(ctx, A, b):           # receives NumPy arrays
+            x = np.linalg.solve(A, b)
+            ctx.save_for_backward(A, x)
+            return x
+
+        @staticmethod
+        def backward(ctx, g):             # NumPy in, NumPy out
+            A, x = ctx.saved_tensors
+            lam = np.linalg.solve(A.T, g)
+            return -np.outer(lam, x), lam
+
+    jax.jit(jax.grad(lambda A, b: Solve(A, b).sum()))(A, b)
+
+This module turns the user's NumPy methods into JAX-traceable ``forward``
+and ``backward`` methods that the core (``_function._Program``) runs like
+any other Function's, so jit, grad, vmap and scan need no second path.
+
+The key differences to a JAX Function are:
+
+- output shapes and dtypes must be known while JAX traces: from a
+  ``output_shapes`` staticmethod, else those of the first array input;
+- forward's ctx is *not* carried across as residuals. The backward callback
+  runs forward again on the same inputs (the only residuals are the
+  inputs), so NumPy intermediates saved on ctx need no declared shapes.
+  Under ``jax.jit(jax.grad(...))`` XLA drops the unused forward callback,
+  so a gradient costs one forward and one backward on the host;
+- backward cannot be differentiated (it is opaque NumPy code): a second
+  derivative raises an error naming the class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+
+from ._ctx import FunctionCtx, _short_repr, is_array
+from ._once import call_without_derivative
+from ._outputs import check_backward_outputs, is_differentiable_dtype
+
+__all__ = ["make_host", "VmapInfo", "VMAP_METHODS"]
+
+VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
+
+
+class VmapInfo(NamedTuple):
+    """What a ``vmap`` staticmethod receives first (PyTorch's ``info``)."""
+
+    batch_size: int
+    randomness: str = "error"
+
+
+def make_host(spec: Any, cls: type) -> None:
+    """Routes a host class: replaces ``spec``'s methods by callback-running ones.
+
+    Called once per class, after ``spec.signature`` was bound to the user's
+    forward. The replacements take ``ctx`` first (classic style), whatever
+    style the user wrote, so ``setup_context`` becomes ``None`` on the spec.
+    """
+    host = _HostFunction(spec, cls)
+
+    def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
+        return host.forward(ctx, *args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = f"{spec.name}.forward"
+    forward.__doc__ = spec.forward.__doc__  # apply's docstring
+    spec.forward = forward
+    if spec.backward is not None:
+        spec.backward = host.backward
+    spec.setup_context = None
+
+
+def _is_shape_like(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+def _output_name(path: tuple) -> str:
+    return f"output{jax.tree_util.keystr(path)}"
+
+
+class _HostFunction:
+    """The user's NumPy methods, and the JAX-side wrappers the core calls."""
+
+    def __init__(self, spec: Any, cls: type):
+        self.name = spec.name
+        self.signature = spec.signature
+        self.user_forward = spec.forward
+        self.user_setup_context = spec.setup_context
+        self.user_backward = spec.backward
+        self.output_shapes = getattr(cls, "output_shapes", None)
+        self.vmap = getattr(cls, "vmap", None)
+        self.vmap_method = getattr(cls, "vmap_method", "sequential")
+        if self.vmap_method not in VMAP_METHODS:
+            raise ValueError(
+                f"{self.name}: vmap_method={self.vmap_method!r} is not one of "
+                f"{', '.join(map(repr, VMAP_METHODS))}. 'sequential' loops over the "
+                "batch; the others declare that forward and backward accept a "
+                "leading batch axis."
+            )
+        if spec.jvp is not None:
+            raise TypeError(
+                f"{self.name} is a host Function (host=True) and defines jvp: forward "
+                "mode is not supported for NumPy code. Remove jvp (reverse mode uses "
+                "backward), or write the Function in jax.numpy."
+            )
+        if self.output_shapes is not None and not callable(self.output_shapes):
+            raise TypeError(
+                f"{self.name}.output_shapes must be a staticmethod taking forward's "
+                f"inputs as jax.ShapeDtypeStructs, got {_short_repr(self.output_shapes)}."
+            )
+
+    # -- JAX side: run while JAX traces -----------------------------------
+
+    def forward(self, ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
+        # The core calls forward through Signature.call: keyword-only by name.
+        values = (*args, *(kwargs[name] for name in self.signature.keyword_only))
+        out_struct, source = self._output_struct(values)
+        call = _HostCall(self, values, ctx.needs_input_grad, out_struct, source)
+        vmap_method = "expand_dims" if self.vmap is not None else self.vmap_method
+
+        def forward_of_arrays(*arrays: Any) -> Any:
+            return jax.pure_callback(call.forward, out_struct, *arrays, vmap_method=vmap_method)
+
+        # Only a second derivative differentiates this directly (through the
+        # forward rule's residuals); first order goes through the custom_vjp.
+        out = call_without_derivative(forward_of_arrays, call.arrays, self._second_order_message())
+        # What backward needs: the inputs, as residuals (forward is re-run on
+        # the host, so nothing else crosses), and the outputs' static
+        # description. Absent output gradients must arrive as None: only the
+        # host knows the user's set_materialize_grads/mark_non_differentiable.
+        ctx._vjpkit_host_inputs = values
+        ctx._vjpkit_host_outputs = (
+            jax.tree_util.tree_structure(out_struct),
+            tuple((s.shape, s.dtype) for s in jax.tree_util.tree_leaves(out_struct)),
+            source,
+        )
+        ctx.set_materialize_grads(False)
+        return out
+
+    def backward(self, ctx: FunctionCtx, *grads: Any) -> tuple:
+        values = ctx._vjpkit_host_inputs
+        out_treedef, out_kinds, source = ctx._vjpkit_host_outputs
+        out_struct = jax.tree_util.tree_unflatten(
+            out_treedef, [jax.ShapeDtypeStruct(s, d) for s, d in out_kinds]
+        )
+        call = _HostCall(self, values, ctx.needs_input_grad, out_struct, source)
+        grad_leaves, grad_treedef = jax.tree_util.tree_flatten(grads, is_leaf=lambda g: g is None)
+        present = [g for g in grad_leaves if g is not None]
+        call.grad_treedef = grad_treedef
+        call.grad_present = tuple(g is not None for g in grad_leaves)
+        result_struct = [
+            jax.ShapeDtypeStruct(shape, dtype)
+            for (shape, dtype), w in zip(call.kinds, call.wanted) if w
+        ]
+        gradient_leaves: list = [None] * len(call.leaves)
+        if result_struct:
+
+            def backward_of_arrays(*xs: Any) -> list:
+                return jax.pure_callback(call.backward, result_struct, *xs, vmap_method=self.vmap_method)
+
+            computed = iter(call_without_derivative(
+                backward_of_arrays, (*call.arrays, *present), self._second_order_message()
+            ))
+            for i, w in zip(call.array_positions, call.wanted):
+                if w:
+                    gradient_leaves[i] = next(computed)
+        # One gradient per forward parameter, with the parameter's structure.
+        return tuple(jax.tree_util.tree_unflatten(call.treedef, gradient_leaves))
+
+    def _second_order_message(self) -> str:
+        return (
+            f"{self.name}.backward runs in NumPy (host=True), so it cannot be "
+            "differentiated: a second derivative (jax.hessian, grad of grad, "
+            "jacfwd of grad) was asked for, as with @once_differentiable. For "
+            f"higher-order derivatives write {self.name} in jax.numpy without host=True."
+        )
+
+    def _output_struct(self, values: tuple) -> tuple[Any, str]:
+        """forward's outputs as a pytree of ShapeDtypeStructs, and where that came from."""
+        if self.output_shapes is None:
+            names = self.signature.names(len(values))
+            for name, value in zip(names, values):
+                for leaf in jax.tree_util.tree_leaves(value):
+                    if is_array(leaf):
+                        source = (
+                            f"the shape and dtype of input {name!r} (inferred: "
+                            f"{self.name} defines no output_shapes)"
+                        )
+                        return _shape_dtype(leaf), source
+            raise TypeError(
+                f"{self.name} is a host Function with no array input, so its output "
+                f"shape cannot be inferred: define a staticmethod output_shapes that "
+                "takes forward's inputs and returns a jax.ShapeDtypeStruct per output."
+            )
+        abstract = jax.tree_util.tree_map(
+            lambda leaf: _shape_dtype(leaf) if is_array(leaf) else leaf, values
+        )
+        declared = self.signature.call(self.output_shapes, (), abstract)
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(
+            declared, is_leaf=lambda x: x is None or _is_shape_like(x)
+        )
+        if not path_leaves:
+            raise TypeError(
+                f"{self.name}.output_shapes returned {_short_repr(declared)}: expected a "
+                "jax.ShapeDtypeStruct, or a tuple (or pytree) of them, one per output."
+            )
+        leaves = []
+        for path, leaf in path_leaves:
+            if not _is_shape_like(leaf):
+                raise TypeError(
+                    f"{self.name}.output_shapes returned {_short_repr(leaf)} for "
+                    f"{_output_name(path)}: expected a jax.ShapeDtypeStruct(shape, dtype) "
+                    "(or any array, or an input, with that output's shape and dtype)."
+                )
+            leaves.append(_shape_dtype(leaf))
+        return jax.tree_util.tree_unflatten(treedef, leaves), f"{self.name}.output_shapes"
+
+
+_LEAF = jax.tree_util.tree_structure(0)
+
+
+class _HostCall:
+    """One traced call's static data, and the two callbacks that run the user's NumPy code.
+
+    Everything that depends only on shapes is worked out here, while JAX
+    traces; ``forward`` and ``backward`` run each time the program runs.
+    """
+
+    def __init__(self, host: _HostFunction, values: tuple, needs: tuple, out_struct: Any, source: str):
+        self.host = host
+        self.name = host.name
+        self.needs = needs
+        self.leaves, self.treedef = jax.tree_util.tree_flatten(values)
+        self.array_positions = [i for i, leaf in enumerate(self.leaves) if is_array(leaf)]
+        self.arrays = [self.leaves[i] for i in self.array_positions]
+        self.kinds = [(tuple(a.shape), np.dtype(a.dtype)) for a in self.arrays]
+        self.param_treedefs = tuple(self.treedef.children())
+        self.names = host.signature.names(len(values))
+        param_of_leaf = [i for i, td in enumerate(self.param_treedefs) for _ in range(td.num_leaves)]
+        self.wanted = [
+            needs[param_of_leaf[i]] and is_differentiable_dtype(dtype)
+            for i, (_, dtype) in zip(self.array_positions, self.kinds)
+        ]
+        paths, self.out_treedef = jax.tree_util.tree_flatten_with_path(out_struct)
+        self.outputs = [(_output_name(path), tuple(s.shape), np.dtype(s.dtype)) for path, s in paths]
+        self.source = source
+        # Set by the JAX-side backward: which output gradients JAX passes.
+        self.grad_treedef: Any = None
+        self.grad_present: tuple = ()
+
+    # -- host side: run when the compiled program runs ----------------------
+
+    def _host_values(self, arrays: Any) -> tuple[tuple, tuple]:
+        """The user's arguments, with NumPy arrays, and the vmap batch shape (``()`` if none)."""
+        arrays = [np.asarray(a) for a in arrays]  # read-only views, no copy
+        batch: tuple = ()
+        if arrays:
+            # Under vmap with expand_dims/broadcast_all every argument gets the
+            # same leading batch axes (size 1 where it is unbatched).
+            k = arrays[0].ndim - len(self.kinds[0][0])
+            if k:
+                batch = tuple(np.broadcast_shapes(*(a.shape[:k] for a in arrays)))
+        leaves = list(self.leaves)
+        for i, a in zip(self.array_positions, arrays):
+            leaves[i] = a
+        return jax.tree_util.tree_unflatten(self.treedef, leaves), batch
+
+    def _run_forward(self, ctx: FunctionCtx, values: tuple, setup: bool) -> Any:
+        host = self.host
+        if host.user_setup_context is None:
+            return host.signature.call(host.user_forward, (ctx,), values)
+        out = host.signature.call(host.user_forward, (), values)
+        if setup:
+            ctx._vjpkit_method = "setup_context"
+            host.user_setup_context(ctx, values, out)
+        return out
+
+    def forward(self, *arrays: Any) -> Any:
+        values, batch = self._host_values(arrays)
+        if batch and self.host.vmap is not None:
+            out = self._run_vmap(values, batch)
+        else:
+            ctx = FunctionCtx(self.name, self.needs, values)
+            try:
+                out = self._run_forward(ctx, values, setup=False)
+            finally:
+                ctx._vjpkit_open = False
+        return self._check_outputs(out, batch)[1]
+
+    def _run_vmap(self, values: tuple, batch: tuple) -> Any:
+        """Calls the user's PyTorch-style ``vmap(info, in_dims, *args)`` with one batch axis."""
+        size = math.prod(batch)
+        k = len(batch)
+        leaves, treedef = jax.tree_util.tree_flatten(values)
+        dims: list = [None] * len(leaves)
+        for i in self.array_positions:
+            a = leaves[i]
+            if size != 1 and all(d == 1 for d in a.shape[:k]):
+                leaves[i] = a.reshape(a.shape[k:])  # not batched
+            else:
+                leaves[i] = np.broadcast_to(a, batch + a.shape[k:]).reshape((size, *a.shape[k:]))
+                dims[i] = 0
+        in_dims = tuple(jax.tree_util.tree_unflatten(treedef, dims))
+        values = jax.tree_util.tree_unflatten(treedef, leaves)
+        result = self.host.signature.call(self.host.vmap, (VmapInfo(size), in_dims), values)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                f"{self.name}.vmap returned {_short_repr(result)}: expected a pair "
+                "(outputs, out_dims), as torch.autograd.Function.vmap does."
+            )
+        out, out_dims = result
+        out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
+        if out_dims is None or isinstance(out_dims, int):
+            out_dims = [out_dims] * len(out_leaves)
+        else:
+            out_dims = out_treedef.flatten_up_to(out_dims)
+        moved = []
+        for leaf, d in zip(out_leaves, out_dims):
+            leaf = np.asarray(leaf)
+            leaf = np.broadcast_to(leaf, (size, *leaf.shape)) if d is None else np.moveaxis(leaf, d, 0)
+            moved.append(leaf.reshape(batch + leaf.shape[1:]))
+        return jax.tree_util.tree_unflatten(out_treedef, moved)
+
+    def _check_outputs(self, out: Any, batch: tuple) -> tuple[list, Any]:
+        """forward's outputs checked against their declared shapes and dtypes.
+
+        Returns the user's own leaves (mark_non_differentiable works by
+        identity) and the NumPy outputs for pure_callback. A dtype of the
+        same kind (float64 where float32 is declared) is cast; anything
+        else raises, naming the output.
+        """
+        got_leaves, got_treedef = jax.tree_util.tree_flatten(out)
+        if got_treedef != self.out_treedef:
+            raise TypeError(
+                f"{self.name}.forward returned {_describe(out)}, but {self.source} gives "
+                f"{self.out_treedef.num_leaves} output(s) with structure {self.out_treedef}. "
+                "Make output_shapes return one jax.ShapeDtypeStruct per output, in "
+                "forward's return structure."
+            )
+        arrays = []
+        for (name, shape, dtype), leaf in zip(self.outputs, got_leaves):
+            a = np.asarray(leaf)
+            shape = batch + shape
+            if a.shape != shape or not np.can_cast(a.dtype, dtype, casting="same_kind"):
+                raise ValueError(
+                    f"{self.name}.forward returned {name} with shape {a.shape} and "
+                    f"dtype {a.dtype}, but {self.source} gives shape {shape} and dtype "
+                    f"{dtype}. Fix forward, or define (or fix) the staticmethod "
+                    f"{self.name}.output_shapes(*inputs) returning a "
+                    "jax.ShapeDtypeStruct per output."
+                )
+            arrays.append(a if a.dtype == dtype else a.astype(dtype))
+        return got_leaves, jax.tree_util.tree_unflatten(self.out_treedef, arrays)
+
+    def backward(self, *xs: Any) -> list:
+        n = len(self.arrays)
+        values, batch = self._host_values(xs[:n])
+        # Re-run forward: it rebuilds ctx (saved arrays, attributes, flags)
+        # on the host, so none of it has to cross into JAX.
+        ctx = FunctionCtx(self.name, self.needs, values)
+        try:
+            out_leaves, _ = self._check_outputs(self._run_forward(ctx, values, setup=True), batch)
+        finally:
+            ctx._vjpkit_open = False
+        marked = {id(x) for x in ctx._vjpkit_non_differentiable}
+        materialize = ctx._vjpkit_materialize
+        given = iter(xs[n:])
+        grads = []
+        for leaf, (_, shape, dtype), present in zip(out_leaves, self.outputs, self.grad_present):
+            g = np.asarray(next(given)) if present else None
+            if g is None or id(leaf) in marked:
+                g = np.zeros(batch + shape, dtype) if materialize else None
+            grads.append(g)
+        backward_ctx = FunctionCtx(self.name, self.needs)
+        backward_ctx._vjpkit_method = "backward"
+        backward_ctx._vjpkit_saved = ctx._vjpkit_saved
+        backward_ctx._vjpkit_materialize = materialize
+        backward_ctx.__dict__.update(ctx._user_attributes())
+        try:
+            result = self.host.user_backward(
+                backward_ctx, *jax.tree_util.tree_unflatten(self.grad_treedef, grads)
+            )
+        finally:
+            backward_ctx._vjpkit_open = False
+        return self._check_gradients(result, batch)
+
+    def _check_gradients(self, result: Any, batch: tuple) -> list:
+        """backward's result as the wanted input gradients, in NumPy.
+
+        The common case (one array, of the input's shape, per array
+        parameter) is checked and cast here in NumPy; anything else goes
+        through the core's check_backward_outputs, for its summing of
+        broadcast gradients and its errors.
+        """
+        kinds = [(batch + shape, dtype) for shape, dtype in self.kinds]
+        plain = self._plain_gradients(result, kinds)
+        if plain is None:
+            leaf_kinds: list = [None] * len(self.leaves)
+            for i, kind in zip(self.array_positions, kinds):
+                leaf_kinds[i] = kind
+            plain = check_backward_outputs(
+                self.name, result, self.param_treedefs, self.names, leaf_kinds, self.needs
+            )
+        return [
+            np.zeros(shape, dtype) if g is None else np.asarray(g, dtype)
+            for g, (shape, dtype), w in zip(plain, kinds, self.wanted)
+            if w
+        ]
+
+    def _plain_gradients(self, result: Any, kinds: list) -> list | None:
+        """One gradient (or None) per array input, if backward's result needs no fitting."""
+        n = len(self.param_treedefs)
+        if n == 1 and not isinstance(result, tuple):
+            result = (result,)
+        if not isinstance(result, tuple) or len(result) != n:
+            return None
+        plain = []
+        leaf = 0
+        kind = iter(kinds)
+        for param, (td, g) in enumerate(zip(self.param_treedefs, result)):
+            if td.num_leaves == 0 or not is_array(self.leaves[leaf]):
+                if g is not None:
+                    return None  # a gradient for a static input: the check raises
+            elif td != _LEAF:
+                return None  # a pytree parameter
+            else:
+                shape, dtype = next(kind)
+                if g is not None:
+                    if not isinstance(g, np.ndarray) or g.shape != shape:
+                        return None
+                    if np.iscomplexobj(g) and not np.issubdtype(dtype, np.complexfloating):
+                        return None
+                    g = g if self.needs[param] else None
+                plain.append(g)
+            leaf += td.num_leaves
+        return plain
+
+
+def _describe(out: Any) -> str:
+    n = len(jax.tree_util.tree_leaves(out))
+    return f"{_short_repr(out) if n <= 1 else f'{n} outputs'} (structure {jax.tree_util.tree_structure(out)})"

@@ -1,0 +1,674 @@
+"""Host Functions (``host=True``): forward and backward in NumPy, through jax.pure_callback.
+
+Expected values come from jax.numpy autodiff of the same math.
+"""
+
+import re
+import sys
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpkit
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+from numpy_rank import TrimmedMean, trimmed_mean_jnp  # noqa: E402
+from numpy_solve import Solve  # noqa: E402
+
+
+def assert_close(got, want, rtol=1e-5, atol=1e-6):
+    jax.tree_util.tree_map(lambda g, w: np.testing.assert_allclose(g, w, rtol=rtol, atol=atol), got, want)
+
+
+def raises_in_callback(message):
+    """Errors raised on the host arrive as JAX's runtime error, carrying vjpkit's message."""
+    return pytest.raises(Exception, match=re.escape(message))
+
+
+X = jnp.array([0.5, -1.0, 2.0], dtype=jnp.float32)
+
+
+@vjpkit.function(host=True)
+class Cube:
+    @staticmethod
+    def forward(ctx, x):
+        assert isinstance(x, np.ndarray), type(x)
+        square = x * x  # a NumPy intermediate, saved
+        ctx.save_for_backward(x, square)
+        ctx.factor = 3.0  # a static attribute
+        return square * x
+
+    @staticmethod
+    def backward(ctx, g):
+        assert isinstance(g, np.ndarray), type(g)
+        _, square = ctx.saved_tensors
+        return ctx.factor * square * g
+
+
+def cube_loss(cube):
+    return lambda x: jnp.sum(cube(x) * jnp.sin(x))
+
+
+def cube_jnp(x):
+    return x**3
+
+
+# -- values and first derivatives ----------------------------------------------
+
+
+def test_forward_runs_numpy_and_matches_jnp():
+    assert_close(Cube(X), cube_jnp(X))
+    assert_close(Cube.apply(X), cube_jnp(X))
+
+
+def test_jitted_grad_matches_jnp_autodiff():
+    assert_close(jax.jit(jax.grad(cube_loss(Cube)))(X), jax.grad(cube_loss(cube_jnp))(X))
+
+
+def test_value_and_grad_vjp_and_jacrev_match_jnp():
+    assert_close(jax.value_and_grad(cube_loss(Cube))(X), jax.value_and_grad(cube_loss(cube_jnp))(X))
+    y, pullback = jax.vjp(Cube, X)
+    y_ref, pullback_ref = jax.vjp(cube_jnp, X)
+    ct = jnp.array([1.0, 2.0, -1.0])
+    assert_close((y, pullback(ct)), (y_ref, pullback_ref(ct)))
+    assert_close(jax.jacrev(Cube)(X), jax.jacrev(cube_jnp)(X))
+
+
+def test_works_inside_scan_and_checkpoint():
+    def total(cube):
+        def body(carry, x):
+            return carry + jnp.sum(cube(x)), None
+
+        return lambda xs: jax.lax.scan(body, 0.0, xs)[0]
+
+    xs = jnp.stack([X, 2 * X])
+    assert_close(jax.jit(jax.grad(total(Cube)))(xs), jax.grad(total(cube_jnp))(xs))
+    assert_close(jax.grad(jax.checkpoint(cube_loss(Cube)))(X), jax.grad(cube_loss(cube_jnp))(X))
+
+
+def test_jit_false_runs_too():
+    @vjpkit.function(host=True, jit=False)
+    class Eager:
+        forward = Cube.forward
+        backward = Cube.backward
+
+    assert_close(jax.grad(cube_loss(Eager))(X), jax.grad(cube_loss(cube_jnp))(X))
+
+
+def test_host_as_class_attribute_of_a_subclass():
+    class Square(vjpkit.Function):
+        host = True
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return np.square(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    assert_close(jax.grad(lambda x: Square(x).sum())(X), 2 * X)
+
+
+def test_setup_context_style():
+    @vjpkit.function(host=True)
+    class Scale:
+        @staticmethod
+        def forward(x, k):
+            return x * k
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.k = inputs[1]
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.k, None
+
+    assert_close(jax.grad(lambda x: Scale(x, 2.5).sum())(X), jnp.full(3, 2.5))
+
+
+def test_static_and_keyword_arguments():
+    @vjpkit.function(host=True)
+    class Power:
+        @staticmethod
+        def forward(ctx, x, *, p=2):
+            ctx.save_for_backward(x)
+            ctx.p = p
+            return x**p
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return ctx.p * x ** (ctx.p - 1) * g, None
+
+    assert_close(jax.jit(jax.grad(lambda x: Power(x, p=3).sum()))(X), 3 * X**2)
+    assert_close(jax.grad(lambda x: Power(x).sum())(X), 2 * X)
+
+
+def test_jitted_grad_runs_forward_once_on_the_host():
+    # backward re-runs forward to rebuild ctx; when the loss does not need
+    # forward's output, XLA drops the forward callback: one forward in all.
+    calls = []
+
+    @vjpkit.function(host=True)
+    class Counted:
+        @staticmethod
+        def forward(ctx, x):
+            calls.append("forward")
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            calls.append("backward")
+            return 2 * g
+
+    grad = jax.jit(jax.grad(lambda x: Counted(x).sum()))
+    grad(X).block_until_ready()
+    calls.clear()
+    assert_close(grad(X), jnp.full(3, 2.0))
+    assert calls == ["forward", "backward"]
+
+
+# -- saved arrays, ctx, needs_input_grad -----------------------------------------
+
+
+def test_saved_integer_intermediate_and_static_attribute_reach_backward():
+    seen = {}
+
+    @vjpkit.function(host=True)
+    class SortValues:
+        @staticmethod
+        def forward(ctx, x):
+            order = np.argsort(x)
+            ctx.save_for_backward(order)
+            ctx.n = x.shape[0]
+            return x[order]
+
+        @staticmethod
+        def backward(ctx, g):
+            (order,) = ctx.saved_tensors
+            seen["order"], seen["n"] = order, ctx.n
+            gx = np.empty_like(g)
+            gx[order] = g
+            return gx
+
+    weights = jnp.array([1.0, 10.0, 100.0])
+    loss = lambda sort: (lambda x: jnp.sum(sort(x) * weights))
+    assert_close(jax.jit(jax.grad(loss(SortValues)))(X), jax.grad(loss(jnp.sort))(X))
+    np.testing.assert_array_equal(seen["order"], np.argsort(np.asarray(X)))
+    assert seen["n"] == 3
+
+
+def test_needs_input_grad_in_forward_and_backward():
+    seen = []
+
+    @vjpkit.function(host=True)
+    class Mul:
+        @staticmethod
+        def forward(ctx, a, b):
+            seen.append(("forward", ctx.needs_input_grad))
+            ctx.save_for_backward(a, b)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("backward", ctx.needs_input_grad))
+            a, b = ctx.saved_tensors
+            return (g * b if ctx.needs_input_grad[0] else None), (g * a if ctx.needs_input_grad[1] else None)
+
+    a, b = X, X + 1
+    assert_close(jax.grad(lambda b: Mul(a, b).sum())(b), a)
+    # forward runs twice: once for the primal (its output feeds nothing
+    # here, but jax.grad outside jit keeps it), once in backward.
+    assert ("backward", (False, True)) in seen and ("forward", (False, True)) in seen
+    seen.clear()
+    Mul(a, b)
+    assert seen == [("forward", (False, False))]
+
+
+def test_integer_input_gets_no_gradient_and_is_passed_through():
+    @vjpkit.function(host=True)
+    class Gather:
+        @staticmethod
+        def output_shapes(x, idx):
+            return jax.ShapeDtypeStruct(idx.shape, x.dtype)
+
+        @staticmethod
+        def forward(ctx, x, idx):
+            ctx.save_for_backward(idx)
+            ctx.n = x.shape[0]
+            return x[idx]
+
+        @staticmethod
+        def backward(ctx, g):
+            (idx,) = ctx.saved_tensors
+            gx = np.zeros(ctx.n, g.dtype)
+            np.add.at(gx, idx, g)
+            return gx, "ignored: idx is an integer input"
+
+    idx = jnp.array([2, 0, 2])
+    assert_close(jax.grad(lambda x: Gather(x, idx).sum())(X), jax.grad(lambda x: x[idx].sum())(X))
+
+
+def test_float64_numpy_gradient_is_cast_to_the_input_dtype():
+    @vjpkit.function(host=True)
+    class Double:
+        @staticmethod
+        def forward(ctx, x):
+            return (2 * x).astype(np.float64)  # same kind: cast to float32
+
+        @staticmethod
+        def backward(ctx, g):
+            return np.full(g.shape, 2.0, np.float64)
+
+    assert Double(X).dtype == jnp.float32
+    g = jax.grad(lambda x: Double(x).sum())(X)
+    assert g.dtype == jnp.float32
+    assert_close(g, jnp.full(3, 2.0))
+
+
+def test_broadcast_gradient_is_summed_down():
+    @vjpkit.function(host=True)
+    class AddBias:
+        @staticmethod
+        def forward(ctx, x, bias):
+            return x + bias
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, g  # bias's gradient has x's shape: summed down to ()
+
+    x = jnp.ones((4, 3))
+    g = jax.grad(lambda b: AddBias(x, b).sum())(jnp.float32(1.0))
+    assert_close(g, 12.0)
+
+
+# -- outputs -----------------------------------------------------------------------
+
+
+def test_output_shapes_declared_for_several_outputs():
+    @vjpkit.function(host=True)
+    class MeanAndCentered:
+        @staticmethod
+        def output_shapes(x):
+            return jax.ShapeDtypeStruct((), x.dtype), x
+
+        @staticmethod
+        def forward(ctx, x):
+            m = x.mean()
+            return m, x - m
+
+        @staticmethod
+        def backward(ctx, g_mean, g_centered):
+            return g_mean / g_centered.size + g_centered - g_centered.mean()
+
+    def loss(f):
+        def run(x):
+            m, c = f(x)
+            return m * 3.0 + jnp.sum(c**2)
+
+        return run
+
+    ref = lambda x: (x.mean(), x - x.mean())
+    assert_close(jax.jit(jax.grad(loss(MeanAndCentered)))(X), jax.grad(loss(ref))(X))
+
+
+def test_unused_output_gets_zero_gradient_and_none_without_materialize():
+    seen = []
+
+    def make(materialize):
+        @vjpkit.function(host=True)
+        class Two:
+            @staticmethod
+            def output_shapes(x):
+                return x, x
+
+            @staticmethod
+            def forward(ctx, x):
+                ctx.set_materialize_grads(materialize)
+                return 2 * x, 3 * x
+
+            @staticmethod
+            def backward(ctx, g1, g2):
+                seen.append(g2)
+                return 2 * g1 + (0 if g2 is None else 3 * g2)
+
+        return Two
+
+    assert_close(jax.grad(lambda x: make(True)(x)[0].sum())(X), jnp.full(3, 2.0))
+    np.testing.assert_array_equal(seen[-1], np.zeros(3, np.float32))
+    assert_close(jax.grad(lambda x: make(False)(x)[0].sum())(X), jnp.full(3, 2.0))
+    assert seen[-1] is None
+
+
+def test_mark_non_differentiable_output_gets_zero_gradient():
+    @vjpkit.function(host=True)
+    class ValueAndMask:
+        @staticmethod
+        def output_shapes(x):
+            return x, x
+
+        @staticmethod
+        def forward(ctx, x):
+            mask = (x > 0).astype(x.dtype)
+            ctx.mark_non_differentiable(mask)
+            return x * mask, mask
+
+        @staticmethod
+        def backward(ctx, g, g_mask):
+            assert not g_mask.any()
+            return g * (g != 0)
+
+    loss = lambda x: jnp.sum(ValueAndMask(x)[0]) + jnp.sum(ValueAndMask(x)[1] * 100.0)
+    assert_close(jax.grad(loss)(jnp.array([1.0, 2.0, 3.0])), jnp.ones(3))
+
+
+def test_output_shape_inferred_from_first_array_input():
+    assert Cube(X).shape == X.shape
+    assert jax.eval_shape(Cube, X) == jax.ShapeDtypeStruct(X.shape, X.dtype)
+
+
+def test_wrong_inferred_output_shape_raises_naming_class_and_output():
+    @vjpkit.function(host=True)
+    class Total:
+        @staticmethod
+        def forward(ctx, x):
+            return x.sum()
+
+    with raises_in_callback("Total.forward returned output with shape () and dtype float32, "
+                            "but the shape and dtype of input 'x'"):
+        Total(X).block_until_ready()
+
+
+def test_wrong_declared_output_dtype_raises():
+    @vjpkit.function(host=True)
+    class Floor:
+        @staticmethod
+        def output_shapes(x):
+            return jax.ShapeDtypeStruct(x.shape, jnp.int32)
+
+        @staticmethod
+        def forward(ctx, x):
+            return np.floor(x)  # float, declared int: not the same kind
+
+    with raises_in_callback("Floor.forward returned output with shape (3,) and dtype float32, "
+                            "but Floor.output_shapes gives shape (3,) and dtype int32"):
+        Floor(X).block_until_ready()
+
+
+def test_wrong_output_count_raises_naming_class():
+    @vjpkit.function(host=True)
+    class Pair:
+        @staticmethod
+        def output_shapes(x):
+            return x
+
+        @staticmethod
+        def forward(ctx, x):
+            return x, x
+
+    with raises_in_callback("Pair.forward returned 2 outputs"):
+        Pair(X).block_until_ready()
+
+
+def test_output_shapes_returning_a_non_shape_raises_while_tracing():
+    @vjpkit.function(host=True)
+    class Bad:
+        @staticmethod
+        def output_shapes(x):
+            return x, (3,)
+
+        @staticmethod
+        def forward(ctx, x):
+            return x, x
+
+    with pytest.raises(TypeError, match=re.escape("Bad.output_shapes returned 3 for output[1][0]")):
+        Bad(X)
+
+
+def test_no_array_input_without_output_shapes_raises():
+    @vjpkit.function(host=True)
+    class Constant:
+        @staticmethod
+        def forward(ctx, n):
+            return np.zeros(n)
+
+    with pytest.raises(TypeError, match="Constant is a host Function with no array input"):
+        Constant(3)
+
+
+# -- backward errors ---------------------------------------------------------
+
+
+def test_wrong_gradient_count_raises_naming_class():
+    @vjpkit.function(host=True)
+    class TooMany:
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, g
+
+    with raises_in_callback("TooMany.backward returned 2 gradients, expected 1"):
+        jax.grad(lambda x: TooMany(x).sum())(X).block_until_ready()
+
+
+def test_wrong_gradient_shape_raises_naming_class_and_input():
+    @vjpkit.function(host=True)
+    class BadShape:
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return np.ones(5, np.float32)
+
+    with raises_in_callback("BadShape.backward returned a gradient of shape (5,) for input 0 ('x')"):
+        jax.grad(lambda x: BadShape(x).sum())(X).block_until_ready()
+
+
+# -- higher order --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "second_order",
+    [
+        lambda f: jax.grad(jax.grad(lambda s: f(s)))(jnp.float32(2.0)),
+        lambda f: jax.hessian(lambda x: f(x).sum())(X),
+        lambda f: jax.jacfwd(jax.grad(lambda x: f(x).sum()))(X),
+    ],
+    ids=["grad_of_grad", "hessian", "jacfwd_of_grad"],
+)
+def test_second_derivative_raises_naming_the_class(second_order):
+    with pytest.raises(RuntimeError, match=r"Cube\.backward runs in NumPy \(host=True\), so it cannot be differentiated"):
+        second_order(Cube)
+
+
+def test_forward_mode_raises_naming_the_class():
+    with pytest.raises(TypeError, match="Cube"):
+        jax.jvp(Cube, (X,), (X,))
+
+
+def test_jvp_on_a_host_function_raises_at_class_creation():
+    with pytest.raises(TypeError, match="HostJvp is a host Function .* and defines jvp"):
+
+        @vjpkit.function(host=True)
+        class HostJvp:
+            @staticmethod
+            def forward(ctx, x):
+                return x
+
+            @staticmethod
+            def jvp(ctx, t):
+                return t
+
+
+# -- vmap ----------------------------------------------------------------------------
+
+
+def test_vmap_is_sequential_by_default():
+    shapes = []
+
+    @vjpkit.function(host=True)
+    class Rows:
+        @staticmethod
+        def forward(ctx, x):
+            shapes.append(x.shape)
+            ctx.save_for_backward(x)
+            return x**3
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            shapes.append(("backward", x.shape))
+            return 3 * x**2 * g
+
+    xs = jnp.stack([X, 2 * X])
+    assert_close(jax.vmap(Rows)(xs), xs**3)
+    assert shapes == [(3,), (3,)]
+    assert_close(jax.vmap(jax.grad(cube_loss(Rows)))(xs), jax.vmap(jax.grad(cube_loss(cube_jnp)))(xs))
+
+
+def test_vmap_expand_dims_calls_numpy_once_with_the_batch():
+    shapes = []
+
+    @vjpkit.function(host=True, vmap_method="expand_dims")
+    class Scaled:
+        @staticmethod
+        def forward(ctx, x, w):
+            shapes.append((x.shape, w.shape))
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g * w, g * x
+
+    xs = jnp.stack([X, 2 * X, 3 * X])
+    w = jnp.array([1.0, 2.0, 3.0])
+    assert_close(jax.vmap(Scaled, in_axes=(0, None))(xs, w), xs * w)
+    assert shapes == [((3, 3), (1, 3))]  # one call; the unbatched w has a size-1 axis
+    per_example = jax.vmap(jax.grad(lambda x: jnp.sum(Scaled(x, w) ** 2)))(xs)
+    assert_close(per_example, jax.vmap(jax.grad(lambda x: jnp.sum((x * w) ** 2)))(xs))
+    # The per-example gradient of the unbatched w: one per example, not summed.
+    per_example_w = jax.vmap(jax.grad(lambda w, x: jnp.sum(Scaled(x, w) ** 2)), in_axes=(None, 0))(w, xs)
+    assert_close(per_example_w, jax.vmap(jax.grad(lambda w, x: jnp.sum((x * w) ** 2)), in_axes=(None, 0))(w, xs))
+
+
+def test_vmap_staticmethod_in_pytorch_style_batches_forward():
+    calls = []
+
+    @vjpkit.function(host=True)
+    class Affine:
+        @staticmethod
+        def output_shapes(x, w):
+            return jax.ShapeDtypeStruct(w.shape[1:], x.dtype)
+
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w.T, np.outer(x, g)
+
+        @staticmethod
+        def vmap(info, in_dims, x, w):
+            calls.append((info.batch_size, in_dims))
+            assert in_dims == (0, None)
+            return x @ w, 0
+
+    xs = jnp.stack([X, 2 * X, -X, X + 1])
+    w = jnp.arange(6.0).reshape(3, 2)
+    assert_close(jax.vmap(Affine, in_axes=(0, None))(xs, w), xs @ w)
+    assert calls == [(4, (0, None))]
+    # Per-example gradients: backward runs once per example (sequential).
+    per_example = jax.vmap(jax.grad(lambda x: jnp.sum(Affine(x, w) ** 2)))(xs)
+    assert_close(per_example, jax.vmap(jax.grad(lambda x: jnp.sum((x @ w) ** 2)))(xs))
+
+
+def test_unknown_vmap_method_raises_at_class_creation():
+    with pytest.raises(ValueError, match="Bad: vmap_method='vectorized' is not one of"):
+
+        @vjpkit.function(host=True, vmap_method="vectorized")
+        class Bad:
+            @staticmethod
+            def forward(ctx, x):
+                return x
+
+
+# -- NumPy in a Function that is not host-side ------------------------------------
+
+
+def test_numpy_on_a_traced_array_points_to_host_mode():
+    class NotHost(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return np.sin(np.asarray(x))
+
+    with pytest.raises(TypeError, match=r"NotHost\.forward converted a traced JAX array to NumPy.*host=True"):
+        NotHost(X)
+
+
+# -- the examples, and gradcheck ----------------------------------------------------
+
+
+def test_trimmed_mean_example_matches_jnp():
+    rows = jnp.asarray(np.random.default_rng(1).normal(size=(4, 7)), dtype=jnp.float32)
+    loss = lambda f: (lambda r: jnp.sum(f(r, 2) ** 2))
+    assert_close(jax.jit(jax.grad(loss(TrimmedMean.apply)))(rows), jax.grad(loss(trimmed_mean_jnp))(rows))
+
+
+def test_solve_example_matches_jnp():
+    rng = np.random.default_rng(2)
+    A = jnp.asarray(rng.normal(size=(5, 5)) + 5 * np.eye(5), dtype=jnp.float32)
+    b = jnp.asarray(rng.normal(size=5), dtype=jnp.float32)
+    loss = lambda solve: (lambda A, b: jnp.sum(jnp.sin(solve(A, b))))
+    grad = lambda solve: jax.grad(loss(solve), argnums=(0, 1))(A, b)
+    assert_close(grad(Solve), grad(jnp.linalg.solve), rtol=1e-4, atol=1e-5)
+
+
+needs_gradcheck = pytest.mark.skipif(not hasattr(vjpkit, "gradcheck"), reason="vjpkit.gradcheck not there yet")
+
+
+@pytest.fixture
+def global_x64():
+    """float64 for the whole process while the test runs.
+
+    Why not ``jax.enable_x64()`` (gradcheck's own context, thread-local):
+    XLA may run a callback on one of its own threads, which does not see
+    the context, and JAX then casts the callback's float64 results to
+    float32 and rejects them ("Incorrect output dtype").
+    """
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+@needs_gradcheck
+def test_gradcheck_solve(global_x64):
+    rng = np.random.default_rng(3)
+    A = jnp.asarray(rng.normal(size=(3, 3)) + 3 * np.eye(3))
+    b = jnp.asarray(rng.normal(size=3))
+    assert vjpkit.gradcheck(Solve.apply, (A, b))
+
+
+@needs_gradcheck
+def test_gradcheck_trimmed_mean(global_x64):
+    x = jnp.asarray(np.random.default_rng(4).normal(size=6))  # distinct values: differentiable there
+    assert vjpkit.gradcheck(lambda x: TrimmedMean.apply(x, 1), (x,))
