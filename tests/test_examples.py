@@ -32,8 +32,15 @@ def required_modules(path):
     return [name for line in REQUIRES_LINE.findall(head) for name in re.split(r"[,\s]+", line) if name]
 
 
+def is_importable(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a dotted name whose parent package is missing
+        return False
+
+
 def missing_modules(path):
-    return [name for name in required_modules(path) if importlib.util.find_spec(name) is None]
+    return [name for name in required_modules(path) if not is_importable(name)]
 
 
 def run_example(path):
