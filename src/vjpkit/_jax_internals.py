@@ -190,25 +190,24 @@ def _with_zeros_as_none(rule: Callable, zero: tuple) -> Callable:
 
 def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name):
     params = dict(num_res=num_res, apply=apply, transpose=transpose, out_avals=out_avals, name=name)
-    out = _linear_call_p.bind(*primals, **params)
     res, lin = _split(primals, num_res)
     d_res, d_lin = _split(tangents, num_res)
-    if all(type(t) is _ad.Zero for t in tangents):
-        return out, [_ad.Zero(a.to_tangent_aval()) for a in out_avals]
     if all(type(t) is _ad.Zero for t in d_res):
         # Only the linear inputs move: the derivative is the call itself, same rules.
+        out = _linear_call_p.bind(*primals, **params)
+        if all(type(t) is _ad.Zero for t in d_lin):
+            return out, [_ad.Zero(a.to_tangent_aval()) for a in out_avals]
         return out, _linear_call_p.bind(*res, *map(_ad.instantiate_zeros, d_lin), **params)
     # The residuals move too: differentiate the rule's JAX code along both at
-    # once. (Splitting it into call(res, d_lin) + d/d_res would compute the
-    # shared factors twice: a jax.hessian through it ran ~3x slower.) The
-    # linearization of JAX code is itself transposable, so reverse-over-
-    # forward still works; the primal stays the call, so it keeps its rules.
-    _, tangent_out = jax.jvp(
+    # once. (Splitting it into call(res, d_lin) + d/d_res computes the shared
+    # factors twice, and XLA does not merge a@w + b@w.) The linearization of
+    # JAX code is itself transposable, so reverse-over-forward still works.
+    out, tangent_out = jax.jvp(
         lambda r, l: list(apply(tuple(r), tuple(l))),
         (list(res), list(lin)),
         (list(map(_ad.instantiate_zeros, d_res)), list(map(_ad.instantiate_zeros, d_lin))),
     )
-    return out, list(tangent_out)
+    return list(out), list(tangent_out)
 
 
 def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name):
