@@ -1,0 +1,186 @@
+"""Step time of the MLP: vjpkit Functions vs plain JAX autodiff vs PyTorch.
+
+    python benchmarks/train_step.py            # about 30 s on 2 idle CPU cores
+    python benchmarks/train_step.py --quick    # about 10 s, rougher figures
+
+One training step (forward, backward, Adam update) of the classifier in
+examples/train_mlp.py, written three ways:
+
+* vjpkit: the examples' Linear/ReLU/SoftmaxCrossEntropy Functions in a
+  ``jax.jit`` step (``train_mlp.make_train_step``);
+* autodiff: the same maths in plain ``jnp``, differentiated by JAX, in the
+  same ``jax.jit`` step;
+* PyTorch (when torch is importable): the same three layers as
+  ``torch.autograd.Function`` classes, eager, with ``torch.optim.Adam``.
+
+Each time is the median of one step. The two JAX versions take turns, one
+step at a time, and their ratio is the median of the ratios of neighbouring
+steps, which stays steady when other processes load the machine; PyTorch
+runs after them. Targets: vjpkit / autodiff <= 1.05 (the jitted programs
+should be the same), and vjpkit faster than PyTorch eager.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from train_mlp import init_params, make_train_step  # noqa: E402
+
+# (name, batch size, layer sizes): the digits model itself, where a step is
+# mostly dispatch overhead, and an MNIST-sized one, where it is mostly matmuls.
+MODELS = [
+    ("digits 64-128-128-10", 64, (64, 128, 128, 10)),
+    ("mnist 784-512-512-10", 128, (784, 512, 512, 10)),
+]
+
+
+def plain_loss(params, x, y):
+    """The vjpkit model's maths in plain jnp, for JAX's autodiff."""
+    *hidden, (w_out, b_out) = params
+    for w, b in hidden:
+        x = jnp.maximum(x @ w.T + b, 0)
+    logits = x @ w_out.T + b_out
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0])
+
+
+def jax_stepper(loss, params, x, y):
+    """A zero-argument function that runs one jitted step and waits for it."""
+    optimizer = optax.adam(1e-3)
+    train_step = make_train_step(optimizer, loss=loss) if loss else make_train_step(optimizer)
+    state = [params, optimizer.init(params)]
+
+    def step():
+        state[0], state[1], value = train_step(state[0], state[1], x, y)
+        jax.block_until_ready((state[0], state[1], value))
+
+    return step
+
+
+def torch_stepper(params, x, y):
+    """The same model as ``torch.autograd.Function`` layers, eager, with Adam."""
+    import torch
+
+    class Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b):
+            ctx.save_for_backward(x, w, b)
+            return x @ w.T + b
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w, b = ctx.saved_tensors
+            gx = g @ w if ctx.needs_input_grad[0] else None
+            return gx, g.T @ x, g.sum(0)
+
+    class ReLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.clamp(min=0)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            grad_input = g.clone()
+            grad_input[x < 0] = 0
+            return grad_input
+
+    class SoftmaxCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, labels):
+            lse = torch.logsumexp(logits, dim=-1)
+            ctx.save_for_backward(logits, labels, lse)
+            return (lse - logits.gather(1, labels[:, None])[:, 0]).mean()
+
+        @staticmethod
+        def backward(ctx, g):
+            logits, labels, lse = ctx.saved_tensors
+            grad = torch.exp(logits - lse[:, None])
+            grad[torch.arange(len(labels)), labels] -= 1
+            return grad * (g / len(labels)), None
+
+    torch.set_num_threads(os.cpu_count())
+    weights = [torch.tensor(np.asarray(a), requires_grad=True) for layer in params for a in layer]
+    xt, yt = torch.tensor(np.asarray(x)), torch.tensor(np.asarray(y), dtype=torch.int64)
+    optimizer = torch.optim.Adam(weights, lr=1e-3)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        h = xt
+        for i in range(0, len(weights) - 2, 2):
+            h = ReLU.apply(Linear.apply(h, weights[i], weights[i + 1]))
+        loss = SoftmaxCrossEntropy.apply(Linear.apply(h, weights[-2], weights[-1]), yt)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def step_times(steppers, steps):
+    """Seconds of each of ``steps`` steps, per stepper.
+
+    The steppers take turns one step at a time, in alternating order, so that
+    load from other processes and frequency changes fall on all of them alike.
+    """
+    times = {name: [] for name in steppers}
+    for step in steppers.values():  # compile and warm up
+        for _ in range(3):
+            step()
+    order = list(steppers.items())
+    for i in range(steps):
+        for name, step in order if i % 2 else order[::-1]:
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: np.array(t) for name, t in times.items()}
+
+
+def bench_model(batch, sizes, steps):
+    """Median step times in seconds, and the paired vjpkit / autodiff ratio."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, sizes[0])).astype(np.float32)
+    y = rng.integers(0, sizes[-1], size=batch).astype(np.int32)
+    params = init_params(jax.random.key(0), sizes)
+    times = step_times(
+        {"vjpkit": jax_stepper(None, params, x, y), "autodiff": jax_stepper(plain_loss, params, x, y)}, steps
+    )
+    # PyTorch runs on its own: its idle OpenMP threads keep spinning for a
+    # while after each step, which would slow down whatever ran next.
+    try:
+        times.update(step_times({"pytorch": torch_stepper(params, x, y)}, steps))
+    except ImportError:
+        pass
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    return medians, float(np.median(times["vjpkit"] / times["autodiff"]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps: rougher figures, sooner")
+    args = parser.parse_args()
+    steps = 100 if args.quick else 1000
+
+    device = jax.devices()[0]
+    print(f"device: {device.platform} ({device.device_kind}), {os.cpu_count()} CPU cores, "
+          f"median of {steps} steps each")
+    print(f"{'model':<22}{'batch':>6}{'vjpkit':>11}{'autodiff':>11}{'pytorch':>11}"
+          f"{'vjpkit/autodiff':>17}{'pytorch/vjpkit':>16}")
+    for name, batch, sizes in MODELS:
+        t, paired_ratio = bench_model(batch, sizes, steps)
+        us = lambda key: f"{t[key] * 1e6:8.0f} us" if key in t else f"{'-':>11}"  # noqa: E731
+        torch_ratio = f"{t['pytorch'] / t['vjpkit']:16.2f}" if "pytorch" in t else f"{'-':>16}"
+        print(f"{name:<22}{batch:>6}{us('vjpkit')}{us('autodiff')}{us('pytorch')}"
+              f"{paired_ratio:17.3f}{torch_ratio}")
+
+
+if __name__ == "__main__":
+    main()
