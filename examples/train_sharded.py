@@ -62,7 +62,7 @@ def fit(epochs, batch_size, mesh=None, seed=0, log=print):
             params, opt_state, loss = train_step(params, opt_state, xb, yb)
             losses.append(loss)
         epoch_loss = float(np.mean(jax.device_get(losses)))
-        log(f"epoch {epoch:3d}  loss {epoch_loss:.6f}  time {time.perf_counter() - start:.2f}s")
+        log(f"epoch {epoch:3d}  loss {epoch_loss:.6f}  time {(time.perf_counter() - start) * 1e3:4.0f} ms")
     return epoch_loss
 
 
