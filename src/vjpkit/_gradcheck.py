@@ -1,0 +1,1154 @@
+"""Full-Jacobian gradient checks: ``gradcheck``, ``gradgradcheck``, ``GradcheckError``.
+
+Usage::
+
+    import numpy as np
+    import vjpkit
+
+    x = np.random.randn(20, 20)          # float64 inputs (NumPy, or JAX with x64)
+    w = np.random.randn(30, 20)
+    assert vjpkit.gradcheck(Linear.apply, (x, w), eps=1e-6, atol=1e-4)
+    assert vjpkit.gradgradcheck(Linear.apply, (x, w))
+
+``fn`` is any JAX function of arrays: a vjpkit Function's ``apply``, a
+hand-written ``jax.custom_vjp``, or plain JAX code calling several of them.
+``inputs`` is a tuple (or list) of positional arguments, or one argument;
+arguments and outputs may be pytrees.
+
+The key differences to ``torch.autograd.gradcheck`` are in speed and in the
+report, not in what is checked:
+
+- All one-hot output cotangents go through one ``vmap`` of the VJP, and all
+  central-difference perturbations through one ``vmap`` of ``fn``, inside a
+  single jitted program that also compares the two Jacobians. The compiled
+  program is cached per (function, input signature, options), so a second
+  check of the same function runs only that program.
+- The work runs in float64 with ``jax_enable_x64`` switched on for
+  gradcheck's own calls only (JAX's thread-local context), whatever the
+  process-wide setting. Float32 inputs are cast, with a warning.
+- A failure names every mismatching (output, input) pair, with pytree paths,
+  and the worst element of each.
+
+The key difference to ``jax.test_util.check_grads`` is that the whole
+Jacobian is compared, not one random direction, and that functions without
+a forward mode (``jax.custom_vjp``) need no ``modes=("rev",)``.
+
+Tips:
+
+- Finite differences need smooth functions: keep inputs away from kinks
+  (``relu`` at 0, ``abs`` at 0) by more than ``eps``.
+- Integer arrays and non-array inputs (Python scalars, strings) are held
+  fixed; pass ``jnp.asarray(c)`` to check the derivative with respect to a
+  scalar.
+- ``fast_mode=True`` compares random projections ``v^T J u`` only (cheap for
+  large inputs); on failure it reruns the full check for the report.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import warnings
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._args import static_key_of
+from ._ctx import is_array
+
+__all__ = ["GradcheckError", "JacobianMismatch", "gradcheck", "gradgradcheck"]
+
+# Largest batch of perturbed inputs (or one-hot cotangents) vmapped at once,
+# counted in float64 elements of inputs plus outputs per batch member.
+# Beyond it the batch is split into a lax.map of vmapped chunks.
+_BATCH_ELEMENTS = 1 << 24
+_CACHE_SIZE = 64
+_BATCHED_GRAD_SAMPLES = 3
+
+
+class GradcheckError(RuntimeError):
+    """A gradient check failed. The message is the full report.
+
+    ``mismatches`` holds one :class:`JacobianMismatch` per (output, input)
+    pair whose Jacobians disagree, for programmatic use (empty when the
+    failure is of another kind, e.g. a backward that is not reentrant).
+    """
+
+    def __init__(self, message: str, mismatches: Sequence[JacobianMismatch] = ()):
+        super().__init__(message)
+        self.mismatches = tuple(mismatches)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class JacobianMismatch:
+    """One (output, input) block of the Jacobian where the check failed.
+
+    The Jacobians have PyTorch's layout: one row per element of the input,
+    one column per element of the output (complex leaves count as pairs of
+    real numbers, with a trailing ``"real"``/``"imag"`` index).
+    """
+
+    mode: str  # "backward" (the VJP) or "forward" (the JVP)
+    output: str  # e.g. "output 0", or "output 1 ['mask']"
+    input: str  # e.g. "input 1", or "input 0 ['w']"
+    output_index: int  # position in fn's output tuple (0 for a non-tuple output)
+    input_index: int  # position in the inputs tuple
+    output_path: str  # pytree path inside that output ("" for an array)
+    input_path: str
+    output_element: tuple  # index of the worst element in the output leaf
+    input_element: tuple  # index of the worst element in the input leaf
+    numerical_value: float
+    analytical_value: float
+    abs_diff: float
+    rel_diff: float
+    mismatched: int  # how many elements of the block are out of tolerance
+    numerical: np.ndarray  # (input elements, output elements)
+    analytical: np.ndarray
+
+
+# ---------------------------------------------------------------------------
+# Public entry points.
+
+
+def gradcheck(
+    fn: Callable[..., Any],
+    inputs: Any,
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    raise_exception: bool = True,
+    fast_mode: bool = False,
+    nondet_tol: float = 0.0,
+    check_undefined_grad: bool = True,
+    check_batched_grad: bool = False,
+    check_forward_ad: bool = False,
+    check_backward_ad: bool = True,
+) -> bool:
+    """Compares ``fn``'s derivatives with central finite differences.
+
+    Usage::
+
+        x, w = np.random.randn(20, 20), np.random.randn(30, 20)
+        vjpkit.gradcheck(Linear.apply, (x, w), eps=1e-6, atol=1e-4)
+
+    For every (differentiable output, differentiable input) pair, the
+    analytical Jacobian (from ``jax.vjp``, and from ``jax.jvp`` with
+    ``check_forward_ad``) must satisfy, element by element,
+    ``|analytical - numerical| <= atol + rtol * |numerical|`` where
+    ``numerical = (fn(x + eps) - fn(x - eps)) / (2 * eps)``.
+
+    Args:
+        fn: a function of arrays returning an array, a tuple of arrays or any
+            pytree. Integer/bool outputs and non-array outputs are not checked.
+        inputs: a tuple (or list) of positional arguments for ``fn``, or a
+            single argument. Floating and complex array leaves are perturbed;
+            other leaves are held fixed.
+        eps: finite-difference step.
+        atol, rtol: tolerances, as in ``numpy.allclose(analytical, numerical)``.
+        raise_exception: raise :class:`GradcheckError` on failure (default),
+            or return False.
+        fast_mode: compare ``v^T J u`` for random ``u, v`` instead of the
+            whole Jacobian (PyTorch's fast mode); a failure reruns the full
+            check to report the mismatching elements.
+        nondet_tol: how far two runs of the backward may differ. The
+            backward is rerun only when it could differ at all: when the
+            program calls back to the host, or runs on an accelerator (XLA's
+            CPU programs are deterministic).
+        check_undefined_grad: check that the backward copes with absent
+            output gradients: each output is used alone, so the others'
+            gradients are undefined (``None`` in a vjpkit Function with
+            ``ctx.set_materialize_grads(False)``) and must act as zeros.
+        check_batched_grad: check that ``vmap`` of the VJP over output
+            gradients equals a Python loop of VJPs.
+        check_forward_ad: also compare the Jacobian from ``jax.jvp``. Skipped,
+            with a warning, when ``fn`` has no forward mode (a ``custom_vjp``
+            or a vjpkit Function without ``jvp``).
+        check_backward_ad: compare the Jacobian from ``jax.vjp``.
+
+    Returns:
+        True when every check passes; False on failure when
+        ``raise_exception=False``.
+
+    Raises:
+        GradcheckError: a check failed (with ``raise_exception=True``).
+        ValueError: contradictory options, or no floating-point input.
+    """
+    options = _Options(
+        fast_mode=bool(fast_mode),
+        check_undefined_grad=bool(check_undefined_grad),
+        check_batched_grad=bool(check_batched_grad),
+        check_forward_ad=bool(check_forward_ad),
+        check_backward_ad=bool(check_backward_ad),
+    )
+    tolerances = _Tolerances(float(eps), float(atol), float(rtol), float(nondet_tol))
+    return _run(fn, _as_args(inputs), options, tolerances, _NAMING, raise_exception)
+
+
+def gradgradcheck(
+    fn: Callable[..., Any],
+    inputs: Any,
+    grad_outputs: Any = None,
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    raise_exception: bool = True,
+    fast_mode: bool = False,
+    nondet_tol: float = 0.0,
+    check_undefined_grad: bool = True,
+    check_batched_grad: bool = False,
+    check_forward_ad: bool = False,
+    check_backward_ad: bool = True,
+) -> bool:
+    """Checks second derivatives: ``gradcheck`` of ``fn``'s VJP.
+
+    Usage::
+
+        vjpkit.gradgradcheck(Exp.apply, (np.random.randn(5),))
+
+    The checked function maps ``(*inputs, *grad_outputs)`` to the
+    gradients of ``fn``'s differentiable inputs, ``jax.vjp(fn, *inputs)``
+    pulled back along ``grad_outputs``; it is differentiated with respect
+    to both. This exercises differentiating through ``backward`` (which
+    ``once_differentiable`` forbids).
+
+    Args:
+        fn, inputs: as for :func:`gradcheck`.
+        grad_outputs: one cotangent per differentiable output leaf of ``fn``
+            (in ``jax.tree_util.tree_leaves`` order), as a tuple or a single
+            array. Default: seeded uniform(-1, 1) float64 values.
+        eps, atol, rtol, raise_exception, fast_mode, nondet_tol,
+        check_undefined_grad, check_batched_grad, check_forward_ad,
+        check_backward_ad: as for :func:`gradcheck`, applied to the VJP
+            function (``check_forward_ad`` checks forward-over-reverse).
+
+    Returns:
+        True when the check passes; False on failure when
+        ``raise_exception=False``.
+    """
+    options = _Options(
+        fast_mode=bool(fast_mode),
+        check_undefined_grad=bool(check_undefined_grad),
+        check_batched_grad=bool(check_batched_grad),
+        check_forward_ad=bool(check_forward_ad),
+        check_backward_ad=bool(check_backward_ad),
+    )
+    tolerances = _Tolerances(float(eps), float(atol), float(rtol), float(nondet_tol))
+    args = _as_args(inputs)
+    with jax.enable_x64(True):
+        output_shapes = _differentiable_output_shapes(fn, args)
+    if grad_outputs is None:
+        rng = np.random.default_rng(0)
+        cotangents = tuple(
+            rng.uniform(-1.0, 1.0, shape) + 1j * rng.uniform(-1.0, 1.0, shape)
+            if jnp.issubdtype(dtype, jnp.complexfloating)
+            else rng.uniform(-1.0, 1.0, shape)
+            for shape, dtype in output_shapes
+        )
+    else:
+        cotangents = _as_args(grad_outputs)
+        _check_grad_outputs(cotangents, output_shapes)
+    vjp_fn = _VJPOf(fn, len(args))
+    naming = _Naming(n_args=len(args))
+    return _run(vjp_fn, args + cotangents, options, tolerances, naming, raise_exception)
+
+
+# ---------------------------------------------------------------------------
+# Options and names.
+
+
+class _Options(NamedTuple):
+    """What to check. Part of the compile-cache key (each changes the program)."""
+
+    fast_mode: bool
+    check_undefined_grad: bool
+    check_batched_grad: bool
+    check_forward_ad: bool
+    check_backward_ad: bool
+
+
+class _Tolerances(NamedTuple):
+    """Numbers the compiled program takes as arguments (no recompile when they change)."""
+
+    eps: float
+    atol: float
+    rtol: float
+    nondet_tol: float
+
+
+class _Naming(NamedTuple):
+    """How reports name inputs and outputs: gradgradcheck renames both."""
+
+    n_args: int | None = None  # set by gradgradcheck: inputs past it are grad_outputs
+
+    def input(self, index: int, path: str) -> str:
+        if self.n_args is not None and index >= self.n_args:
+            return _join(f"grad_outputs[{index - self.n_args}]", path)
+        return _join(f"input {index}", path)
+
+    def output(self, index: int, path: str) -> str:
+        if self.n_args is not None:
+            return _join(f"the gradient of input {index}", path)
+        return _join(f"output {index}", path)
+
+
+_NAMING = _Naming()
+
+
+def _join(name: str, path: str) -> str:
+    return f"{name} {path}" if path else name
+
+
+def _validate(options: _Options, tolerances: _Tolerances) -> None:
+    if not (options.check_forward_ad or options.check_backward_ad):
+        raise ValueError(
+            "gradcheck: expected at least one of check_forward_ad or check_backward_ad "
+            "to be True; with both False there is nothing to check."
+        )
+    if options.check_batched_grad and not options.check_backward_ad:
+        raise ValueError(
+            "gradcheck: check_batched_grad=True checks vmap of the VJP, so it requires "
+            "check_backward_ad=True."
+        )
+    if not tolerances.eps > 0:
+        raise ValueError(f"gradcheck: eps must be positive, got {tolerances.eps}.")
+    for name in ("atol", "rtol", "nondet_tol"):
+        value = getattr(tolerances, name)
+        if not value >= 0:
+            raise ValueError(f"gradcheck: {name} must be non-negative, got {value}.")
+
+
+def _as_args(inputs: Any) -> tuple:
+    """PyTorch's rule: a tuple or list is the positional arguments, anything else one argument."""
+    if isinstance(inputs, tuple):
+        return inputs
+    if isinstance(inputs, list):
+        return tuple(inputs)
+    return (inputs,)
+
+
+def _as_outputs(out: Any) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+# ---------------------------------------------------------------------------
+# The inputs: perturbed, fixed and static leaves (one split, as in _args.py).
+
+
+def _is_inexact(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+class _Partition:
+    """The leaves of the arguments, sorted into perturbed, fixed and static ones.
+
+    gradcheck perturbs floating and complex arrays only. Integer and bool
+    arrays are passed to the compiled program but held fixed; every other
+    leaf (Python scalars, strings, callables) is closed over as static data
+    and is part of the cache key, as vjpkit's own argument split does.
+    """
+
+    __slots__ = ("treedef", "kinds", "static", "paths", "key")
+
+    def __init__(self, treedef: Any, kinds: tuple, static: tuple, paths: tuple):
+        self.treedef = treedef
+        self.kinds = kinds  # "diff" | "fixed" | "static", one per leaf
+        self.static = static  # ((leaf position, value), ...)
+        self.paths = paths  # key path of each leaf
+        self.key = (treedef, kinds, tuple((i, static_key_of(v)) for i, v in static))
+
+    def merge(self, diff: Sequence, fixed: Sequence) -> tuple:
+        """The arguments, with ``diff`` and ``fixed`` in place of those leaves."""
+        leaves: list = [None] * len(self.kinds)
+        for i, value in self.static:
+            leaves[i] = value
+        it_diff, it_fixed = iter(diff), iter(fixed)
+        for i, kind in enumerate(self.kinds):
+            if kind == "diff":
+                leaves[i] = next(it_diff)
+            elif kind == "fixed":
+                leaves[i] = next(it_fixed)
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def diff_sites(self) -> list[tuple[int, str]]:
+        """(argument index, pytree path) of each perturbed leaf."""
+        return [_site(p) for p, k in zip(self.paths, self.kinds) if k == "diff"]
+
+
+def _partition(args: tuple) -> tuple[_Partition, list, list]:
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
+    kinds, static, paths, diff, fixed = [], [], [], [], []
+    for i, (path, leaf) in enumerate(path_leaves):
+        paths.append(path)
+        if is_array(leaf) and _is_inexact(leaf):
+            kinds.append("diff")
+            diff.append(leaf)
+        elif is_array(leaf):
+            kinds.append("fixed")
+            fixed.append(leaf)
+        else:
+            kinds.append("static")
+            static.append((i, leaf))
+    return _Partition(treedef, tuple(kinds), tuple(static), tuple(paths)), diff, fixed
+
+
+def _site(path: tuple) -> tuple[int, str]:
+    """A key path inside a tuple as (position in the tuple, rest of the path)."""
+    return path[0].idx, jax.tree_util.keystr(tuple(path[1:]))
+
+
+# ---------------------------------------------------------------------------
+# Complex leaves are checked as pairs of reals: JAX's own convention for the
+# VJP of a complex function is the transpose of its real-linear derivative.
+
+
+def _real_view(x: jax.Array) -> jax.Array:
+    if jnp.iscomplexobj(x):
+        return jnp.stack([x.real, x.imag], axis=-1).astype(jnp.float64)
+    return x.astype(jnp.float64)
+
+
+def _from_real_view(x: jax.Array, is_complex: bool) -> jax.Array:
+    return lax.complex(x[..., 0], x[..., 1]) if is_complex else x
+
+
+class _Port(NamedTuple):
+    """A differentiable input or output leaf, as the report names it."""
+
+    index: int
+    path: str
+    shape: tuple  # the leaf's own shape
+    dtype: Any
+    is_complex: bool
+
+
+# ---------------------------------------------------------------------------
+# Cheap deterministic "random" vectors, built inside the program: a Weyl
+# sequence needs no PRNG ops, so it adds almost nothing to compile time.
+
+
+def _probe(shape: tuple, salt: int, signed: bool = True) -> jax.Array:
+    n = int(np.prod(shape, dtype=np.int64))
+    golden = 0.6180339887498949
+    u = (jnp.arange(1, n + 1, dtype=jnp.float64) * golden + salt * 0.7548776662466927) % 1.0
+    u = 2.0 * u - 1.0 if signed else 0.25 + 0.75 * u
+    return u.reshape(shape)
+
+
+def _one_hot(i: jax.Array, shape: tuple) -> jax.Array:
+    n = int(np.prod(shape, dtype=np.int64))
+    return (jnp.arange(n) == i).astype(jnp.float64).reshape(shape)
+
+
+def _batched(f: Callable, xs: Any, n: int, per_item: int, notes: _Notes, where: str) -> Any:
+    """``vmap(f)(xs)``, chunked when large, a sequential loop when ``f`` cannot be vmapped."""
+    batch = max(1, _BATCH_ELEMENTS // max(1, per_item))
+    try:
+        return jax.vmap(f)(xs) if n <= batch else lax.map(f, xs, batch_size=batch)
+    except Exception as vmap_error:  # e.g. a pure_callback without vmap_method
+        try:
+            out = lax.map(f, xs)
+        except Exception as loop_error:
+            raise loop_error from vmap_error
+        notes.sequential.append((where, vmap_error))
+        return out
+
+
+# ---------------------------------------------------------------------------
+# The compiled program.
+
+
+class _Notes:
+    """What tracing the program learned; read when interpreting its results."""
+
+    def __init__(self) -> None:
+        self.outputs: list[_Port] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Called as each trace starts: what the trace records is per trace."""
+        self.rows: list[tuple[str, int, int]] = []  # (check, output, input) per summary row
+        self.undefined_errors: dict[tuple[str, int], BaseException] = {}
+        self.batched_errors: dict[int, BaseException] = {}
+        self.sequential: list[tuple[str, BaseException]] = []
+
+
+def _evaluator(fn: Callable, partition: _Partition, inputs: list[_Port], notes: _Notes) -> Callable:
+    """``fn`` as a function of the real views of the perturbed leaves.
+
+    Returns the real views (float64) of fn's differentiable output leaves.
+    """
+
+    def evaluate(x: tuple, fixed: tuple) -> tuple:
+        diff = [_from_real_view(v, p.is_complex) for v, p in zip(x, inputs)]
+        out = fn(*partition.merge(diff, fixed))
+        ports, ys = [], []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(_as_outputs(out))[0]:
+            if is_array(leaf) and _is_inexact(leaf):
+                leaf = jnp.asarray(leaf)
+                index, rest = _site(path)
+                ports.append(_Port(index, rest, tuple(leaf.shape), leaf.dtype, jnp.iscomplexobj(leaf)))
+                ys.append(_real_view(leaf))
+        notes.outputs = ports
+        return tuple(ys)
+
+    return evaluate
+
+
+def _replace(x: tuple, k: int, value: jax.Array) -> tuple:
+    return x[:k] + (value,) + x[k + 1 :]
+
+
+def _size(a: jax.Array) -> int:
+    return int(np.prod(a.shape, dtype=np.int64))
+
+
+def _rows(a: jax.Array) -> jax.Array:
+    """A batch of arrays as a matrix, one row per batch member (zero-size safe)."""
+    return a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))
+
+
+def _central_differences(f: Callable, x: tuple, k: int, eps: Any, n_total: int, notes: _Notes) -> list:
+    """Numerical Jacobian columns for input ``k``: one (n_k, m_j) block per output j."""
+    xk = x[k]
+    n = _size(xk)
+    index = jnp.concatenate([jnp.arange(n), jnp.arange(n)])
+    step = jnp.concatenate([jnp.full(n, eps), jnp.full(n, -eps)])
+
+    def perturbed(index_and_step: tuple) -> tuple:
+        i, h = index_and_step
+        return f(_replace(x, k, xk + h * _one_hot(i, xk.shape)))
+
+    ys = _batched(perturbed, (index, step), 2 * n, n_total, notes, "fn")
+    return [_rows((y[:n] - y[n:]) / (2 * eps)) for y in ys]
+
+
+def _vjp_rows(pullback: Callable, ys: tuple, j: int, n_total: int, notes: _Notes) -> tuple:
+    """Analytical Jacobian rows for output ``j``: one (m_j, n_k) block per input k."""
+    m = _size(ys[j])
+    zeros = [jnp.zeros_like(y) for y in ys]
+
+    def row(i: jax.Array) -> tuple:
+        (g,) = pullback(tuple(_replace(tuple(zeros), j, _one_hot(i, ys[j].shape))))
+        return tuple(gk.reshape(-1) for gk in g)
+
+    return _batched(row, jnp.arange(m), m, n_total, notes, "the VJP")
+
+
+def _jvp_columns(f: Callable, x: tuple, k: int, n_total: int, notes: _Notes) -> list:
+    """Forward-mode Jacobian columns for input ``k``: one (n_k, m_j) block per output j."""
+    n = _size(x[k])
+    zeros = tuple(jnp.zeros_like(v) for v in x)
+
+    def column(i: jax.Array) -> tuple:
+        _, t = jax.jvp(f, (x,), (_replace(zeros, k, _one_hot(i, x[k].shape)),))
+        return t
+
+    ts = _batched(column, jnp.arange(n), n, n_total, notes, "the JVP")
+    return [_rows(t) for t in ts]
+
+
+def _mismatch_row(a: jax.Array, n: jax.Array, atol: Any, rtol: Any, detail: bool = True) -> jax.Array:
+    """One summary row: [failed, max |a - n|, elements failing, n, a].
+
+    ``failed`` is positive exactly where ``allclose(a, n, rtol, atol)``
+    fails (NaN counts as a failure). Full Jacobian blocks are large, so for
+    them (``detail=False``) that is the one fused reduction computed; the
+    report variant of the program recomputes the details. ``n`` and ``a``
+    are filled in for scalars (fast mode's projections).
+    """
+    diff = jnp.abs(a - n)
+    ok = diff <= atol + rtol * jnp.abs(n)
+    failed = jnp.max(jnp.where(ok, -1.0, jnp.where(jnp.isnan(diff), jnp.inf, diff)), initial=-1.0)
+    nan = jnp.float64(jnp.nan)
+    if not detail:
+        return jnp.stack([failed, nan, nan, nan, nan])
+    worst = jnp.max(jnp.where(jnp.isnan(diff), jnp.inf, diff), initial=0.0)
+    count = jnp.sum(~ok).astype(jnp.float64)
+    if a.size == 1:
+        return jnp.stack([failed, worst, count, n.reshape(()), a.reshape(())])
+    return jnp.stack([failed, worst, count, nan, nan])
+
+
+def _build_program(fn: Callable, partition: _Partition, inputs: list[_Port], options: _Options,
+                   notes: _Notes, report: bool) -> Callable:
+    """The jitted check: one XLA program computing both Jacobians and comparing them.
+
+    Returns ``(summary, analytical, blocks)``: ``summary`` has one row per
+    entry of ``notes.rows`` (see ``_mismatch_row``); ``analytical`` is what
+    a rerun must reproduce (the nondet_tol check); ``blocks`` holds the full
+    Jacobians for the report (only when ``report``).
+    """
+    evaluate = _evaluator(fn, partition, inputs, notes)
+    body = _fast_body if options.fast_mode else _slow_body
+
+    def program(x_in: tuple, fixed: tuple, eps: Any, atol: Any, rtol: Any) -> tuple:
+        notes.reset()
+        x = tuple(_real_view(jnp.asarray(v)) for v in x_in)
+        f = lambda xs: evaluate(xs, fixed)  # noqa: E731
+        summary, analytical, blocks = body(f, x, options, notes, eps, atol, rtol, report)
+        rows = jnp.stack(summary) if summary else jnp.zeros((0, 5))
+        return rows, analytical, blocks
+
+    return jax.jit(program)
+
+
+def _slow_body(f, x, options, notes, eps, atol, rtol, report):
+    summary: list = []
+    row = lambda check, j, k, a, n, detail=True: (notes.rows.append((check, j, k)),  # noqa: E731
+                                                  summary.append(_mismatch_row(a, n, atol, rtol, detail)))
+    if options.check_backward_ad:
+        ys, pullback = jax.vjp(f, x)
+    else:
+        ys = f(x)
+    n_total = sum(_size(v) for v in x) + sum(_size(y) for y in ys)
+    numerical = [_central_differences(f, x, k, eps, n_total, notes) for k in range(len(x))]
+    analytical: list = []
+    blocks: dict = {"numerical": numerical} if report else {}
+    if options.check_backward_ad:
+        analytical = [_vjp_rows(pullback, ys, j, n_total, notes) for j in range(len(ys))]
+        for j in range(len(ys)):
+            for k in range(len(x)):
+                row("backward", j, k, analytical[j][k].T, numerical[k][j], False)
+        if options.check_undefined_grad and len(ys) > 1:
+            _undefined_backward(f, x, ys, pullback, row, notes)
+        if options.check_batched_grad:
+            _batched_backward(ys, pullback, row, notes)
+        if report:
+            blocks["analytical"] = [[analytical[j][k].T for j in range(len(ys))] for k in range(len(x))]
+    if options.check_forward_ad:
+        forward = [_jvp_columns(f, x, k, n_total, notes) for k in range(len(x))]
+        for k in range(len(x)):
+            for j in range(len(ys)):
+                row("forward", j, k, forward[k][j], numerical[k][j], False)
+        if options.check_undefined_grad and len(x) > 1:
+            _undefined_forward(f, x, row, notes)
+        if report:
+            blocks["forward"] = forward
+    return summary, analytical, blocks
+
+
+def _fast_body(f, x, options, notes, eps, atol, rtol, report):
+    """PyTorch's fast mode: v^T J u, with atol scaled by sum(u) * sum(v) to match."""
+    summary: list = []
+    row = lambda check, j, k, a, n, tol=atol: (notes.rows.append((check, j, k)),  # noqa: E731
+                                               summary.append(_mismatch_row(a, n, tol, rtol)))
+    if options.check_backward_ad:
+        ys, pullback = jax.vjp(f, x)
+    else:
+        ys = f(x)
+    us = [_unit(_probe(v.shape, salt=k, signed=False)) for k, v in enumerate(x)]
+    vs = [_unit(_probe(y.shape, salt=101 + j, signed=False)) for j, y in enumerate(ys)]
+    n_total = sum(_size(v) for v in x) + sum(_size(y) for y in ys)
+    numerical_ju = []  # [k][j]: J_jk u_k, numerically
+    for k, (xk, u) in enumerate(zip(x, us)):
+        step = jnp.stack([eps, -eps])
+        out = _batched(lambda h: f(_replace(x, k, xk + h * u)), step, 2, n_total, notes, "fn")
+        numerical_ju.append([(y[0] - y[1]) / (2 * eps) for y in out])
+    analytical: list = []
+    if options.check_backward_ad:
+        zeros = tuple(jnp.zeros_like(y) for y in ys)
+        for j, v in enumerate(vs):
+            (g,) = pullback(_replace(zeros, j, v))
+            analytical.append(g)
+            for k, u in enumerate(us):
+                a = jnp.vdot(g[k], u)
+                n = jnp.vdot(vs[j], numerical_ju[k][j])
+                row("backward", j, k, a, n, atol * jnp.sum(u) * jnp.sum(v))
+        if options.check_undefined_grad and len(ys) > 1:
+            _undefined_backward(f, x, ys, pullback, row, notes)
+        if options.check_batched_grad:
+            _batched_backward(ys, pullback, row, notes)
+    if options.check_forward_ad:
+        zeros_x = tuple(jnp.zeros_like(v) for v in x)
+        forward_ju = [jax.jvp(f, (x,), (_replace(zeros_x, k, u),))[1] for k, u in enumerate(us)]
+        for k, u in enumerate(us):
+            for j in range(len(ys)):
+                row("forward", j, k, forward_ju[k][j], numerical_ju[k][j], atol * jnp.sum(u))
+        if options.check_undefined_grad and len(x) > 1:
+            _undefined_forward(f, x, row, notes)
+    return summary, analytical, {}
+
+
+def _unit(u: jax.Array) -> jax.Array:
+    return u / jnp.sqrt(jnp.sum(u * u))
+
+
+def _missing_forward_mode(evaluate: Callable, inputs: list[_Port], fixed: list) -> BaseException | None:
+    """The error ``jax.jvp`` of ``fn`` raises when fn has no forward mode, else None.
+
+    A vjpkit Function without ``jvp`` raises while tracing; a plain
+    ``jax.custom_vjp`` only when the JVP is lowered, so this lowers a probe
+    (no compilation) before forward mode goes into the checking program.
+    """
+    x = tuple(
+        jax.ShapeDtypeStruct(p.shape + ((2,) if p.is_complex else ()), jnp.float64) for p in inputs
+    )
+
+    def probe(x: tuple, fixed: tuple) -> Any:
+        return jax.jvp(lambda xs: evaluate(xs, fixed), (x,), (x,))
+
+    try:
+        jax.jit(probe).lower(x, tuple(fixed))
+    except TypeError as e:
+        # JAX: "can't apply forward-mode autodiff (jvp) to a custom_vjp function";
+        # vjpkit: "<Name> has no forward-mode derivative ...: it defines backward but no jvp".
+        if "forward-mode" not in str(e):
+            raise
+        return e
+    return None
+
+
+def _undefined_backward(f, x, ys, pullback, row, notes) -> None:
+    """Each output alone: the others' cotangents are symbolic zeros (undefined)."""
+    zeros = tuple(jnp.zeros_like(y) for y in ys)
+    for j, y in enumerate(ys):
+        c = _probe(y.shape, salt=7 + j)
+        try:
+            _, pullback_j = jax.vjp(lambda xs, j=j: f(xs)[j], x)
+            (got,) = pullback_j(c)
+        except Exception as e:
+            notes.undefined_errors[("backward", j)] = e
+            continue
+        (expected,) = pullback(_replace(zeros, j, c))
+        for k in range(len(x)):
+            row("undefined_backward", j, k, got[k], expected[k])
+
+
+def _undefined_forward(f, x, row, notes) -> None:
+    """Each input alone: the others' tangents are symbolic zeros (undefined)."""
+    zeros = tuple(jnp.zeros_like(v) for v in x)
+    for k, xk in enumerate(x):
+        t = _probe(xk.shape, salt=13 + k)
+        try:
+            _, got = jax.jvp(lambda v, k=k: f(_replace(x, k, v)), (xk,), (t,))
+        except Exception as e:
+            notes.undefined_errors[("forward", k)] = e
+            continue
+        _, expected = jax.jvp(f, (x,), (_replace(zeros, k, t),))
+        for j in range(len(got)):
+            row("undefined_forward", j, k, got[j], expected[j])
+
+
+def _batched_backward(ys, pullback, row, notes) -> None:
+    """vmap of the VJP over a few output cotangents, against a Python loop."""
+    zeros = tuple(jnp.zeros_like(y) for y in ys)
+    for j, y in enumerate(ys):
+        cs = jnp.stack([_probe(y.shape, salt=31 + 3 * j + b) for b in range(_BATCHED_GRAD_SAMPLES)])
+        vjp_j = lambda c, j=j: pullback(_replace(zeros, j, c))[0]  # noqa: E731
+        try:
+            batched = jax.vmap(vjp_j)(cs)
+        except Exception as e:
+            notes.batched_errors[j] = e
+            continue
+        looped = [vjp_j(cs[b]) for b in range(_BATCHED_GRAD_SAMPLES)]
+        for k in range(len(batched)):
+            row("batched", j, k, batched[k], jnp.stack([g[k] for g in looped]))
+
+
+# ---------------------------------------------------------------------------
+# Compiled checkers, cached per (function, input signature, options).
+
+
+def _has_host_calls(jaxpr: Any) -> bool:
+    """Whether a jaxpr calls back to the host (the only source of nondeterminism on CPU)."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if "callback" in name or name == "ffi_call":
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns") and _has_host_calls(sub):
+                    return True
+    return False
+
+
+class _Checker:
+    """One function checked at one input signature with one set of options."""
+
+    def __init__(self, fn: Callable, partition: _Partition, diff: list, options: _Options):
+        self.fn, self.partition, self.options = fn, partition, options
+        self.inputs = [
+            _Port(index, path, tuple(np.shape(v)), v.dtype, jnp.iscomplexobj(v))
+            for (index, path), v in zip(partition.diff_sites(), diff)
+        ]
+        self.notes = _Notes()
+        self._programs: dict[bool, Callable] = {}
+        self.rerun: bool | None = None  # run twice to compare (decided at first trace)
+        self.forward_unavailable: BaseException | None = None  # why fn has no forward mode
+
+    def program(self, report: bool) -> Callable:
+        if report not in self._programs:
+            options = self.options
+            if self.forward_unavailable is not None:
+                options = options._replace(check_forward_ad=False)
+            self._programs[report] = _build_program(
+                self.fn, self.partition, self.inputs, options, self.notes, report
+            )
+        return self._programs[report]
+
+    def run(self, diff: list, fixed: list, tol: _Tolerances, report: bool = False) -> tuple:
+        if self.options.check_forward_ad and not self._programs:
+            evaluate = _evaluator(self.fn, self.partition, self.inputs, _Notes())
+            self.forward_unavailable = _missing_forward_mode(evaluate, self.inputs, fixed)
+        program = self.program(report)
+        args = (tuple(diff), tuple(fixed), tol.eps, tol.atol, tol.rtol)
+        if self.rerun is None:
+            jaxpr = program.trace(*args).jaxpr
+            self.rerun = jax.default_backend() != "cpu" or _has_host_calls(jaxpr)
+        return program(*args)
+
+
+_cache: collections.OrderedDict = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def _checker(fn: Callable, partition: _Partition, diff: list, fixed: list, options: _Options) -> _Checker:
+    signature = tuple((np.shape(v), np.dtype(v.dtype)) for v in (*diff, *fixed))
+    try:
+        key = (fn, partition.key, signature, options)
+        hash(key)
+    except TypeError:  # an unhashable fn or static leaf: no caching
+        return _Checker(fn, partition, diff, options)
+    with _cache_lock:
+        checker = _cache.get(key)
+        if checker is not None:
+            _cache.move_to_end(key)
+            return checker
+    checker = _Checker(fn, partition, diff, options)
+    with _cache_lock:
+        _cache[key] = checker
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return checker
+
+
+# ---------------------------------------------------------------------------
+# Running a check and reporting.
+
+
+def _run(fn, args, options, tol, naming, raise_exception) -> bool:
+    _validate(options, tol)
+    try:
+        with jax.enable_x64(True):
+            _check(fn, args, options, tol, naming)
+    except GradcheckError:
+        if raise_exception:
+            raise
+        return False
+    return True
+
+
+def _check(fn, args, options, tol, naming) -> None:
+    partition, diff, fixed = _partition(args)
+    if not diff:
+        raise ValueError(
+            "gradcheck: no floating-point or complex array among the inputs, so there is "
+            "nothing to differentiate. Integer arrays and non-array inputs (Python scalars, "
+            "strings) are held fixed; pass jnp.asarray(c, dtype=float) to check a scalar."
+        )
+    for (index, path), v in zip(partition.diff_sites(), diff):
+        if np.dtype(v.dtype) not in (np.float64, np.complex128):
+            warnings.warn(
+                f"gradcheck: {naming.input(index, path)} has dtype {np.dtype(v.dtype).name}; "
+                "gradcheck casts it to double precision and checks fn there, since finite "
+                "differences in single precision are too inaccurate to compare with. Pass "
+                "float64 inputs to silence this warning.",
+                stacklevel=4,
+            )
+    checker = _checker(fn, partition, diff, fixed, options)
+    summary, analytical, _ = checker.run(diff, fixed, tol)
+    summary = np.asarray(summary)
+    notes = checker.notes
+    for port in notes.outputs:
+        if np.dtype(port.dtype) not in (np.float64, np.complex128):
+            warnings.warn(
+                f"gradcheck: {naming.output(port.index, port.path)} has dtype "
+                f"{np.dtype(port.dtype).name} although fn ran on float64 inputs; finite "
+                "differences through a single-precision computation are inaccurate.",
+                stacklevel=4,
+            )
+    for where, e in notes.sequential:
+        warnings.warn(
+            f"gradcheck: {where} does not support vmap, so gradcheck evaluated it in a "
+            f"sequential loop (slower). vmap raised {type(e).__name__}: {e}",
+            stacklevel=4,
+        )
+    problems: list[str] = []
+    mismatches: list[JacobianMismatch] = []
+    failed = {check for (check, _, _), s in zip(notes.rows, summary) if s[0] > 0}
+    jacobian_failed = bool(failed & {"backward", "forward"})
+    if jacobian_failed and options.fast_mode:
+        problems.append(_fast_mode_report(checker, summary, tol, naming))
+        slow = _checker(fn, partition, diff, fixed, options._replace(fast_mode=False))
+        slow_problems, mismatches = _jacobian_report(slow, diff, fixed, tol, naming)
+        if slow_problems:
+            problems.append(
+                "The full Jacobians (slow mode), for the complete picture:\n\n"
+                + "\n\n".join(slow_problems)
+            )
+        else:
+            problems.append(
+                "The full Jacobians (slow mode) agree element by element within atol and "
+                "rtol: fast mode failed only through its projected tolerance. Use "
+                "fast_mode=False for this function."
+            )
+    elif jacobian_failed:
+        jacobian_problems, mismatches = _jacobian_report(checker, diff, fixed, tol, naming)
+        problems.extend(jacobian_problems)
+    problems.extend(_other_problems(checker, summary, tol, naming))
+    if not problems and checker.rerun and options.check_backward_ad:
+        _, again, _ = checker.run(diff, fixed, tol)
+        problems.extend(_reentrancy_problems(checker, analytical, again, tol, naming))
+    if checker.forward_unavailable is not None:
+        reason = f"{type(checker.forward_unavailable).__name__}: {checker.forward_unavailable}"
+        if not options.check_backward_ad:
+            problems.append(
+                "Nothing was checked: check_backward_ad=False and fn has no forward mode "
+                f"for check_forward_ad ({reason})"
+            )
+        else:
+            warnings.warn(
+                f"gradcheck: skipped check_forward_ad because fn has no forward mode ({reason})",
+                stacklevel=4,
+            )
+    if problems:
+        raise GradcheckError("\n\n".join(problems), mismatches)
+
+
+def _fast_mode_report(checker: _Checker, summary: np.ndarray, tol: _Tolerances, naming: _Naming) -> str:
+    lines = []
+    for (check, j, k), s in zip(checker.notes.rows, summary):
+        if check in ("backward", "forward") and s[0] > 0:
+            out, inp = checker.notes.outputs[j], checker.inputs[k]
+            what = (
+                f"v^T J u = {float(s[3])!r} numerically, {float(s[4])!r} analytically"
+                if check == "backward"
+                else f"J u differs from the numerical J u by up to {s[1]:.6g}"
+            )
+            lines.append(
+                f"Fast-mode {'' if check == 'backward' else 'forward-mode '}Jacobian mismatch for "
+                f"{naming.output(out.index, out.path)} with respect to "
+                f"{naming.input(inp.index, inp.path)}: {what} (random u, v)."
+            )
+    return "\n".join(lines)
+
+
+def _jacobian_report(checker, diff, fixed, tol, naming) -> tuple[list[str], list[JacobianMismatch]]:
+    """Runs the report variant of the program and describes every mismatching block."""
+    summary, _, blocks = checker.run(diff, fixed, tol, report=True)
+    summary = np.asarray(summary)
+    problems, mismatches = [], []
+    for (check, j, k), s in zip(checker.notes.rows, summary):
+        if check not in ("backward", "forward") or s[0] <= 0:
+            continue
+        numerical = np.asarray(blocks["numerical"][k][j])
+        analytical = np.asarray(blocks["analytical" if check == "backward" else "forward"][k][j])
+        m = _mismatch(check, checker.notes.outputs[j], checker.inputs[k], numerical, analytical,
+                      tol, naming)
+        mismatches.append(m)
+        problems.append(_describe(m, tol))
+    return problems, mismatches
+
+
+def _element(port: _Port, flat: int) -> tuple:
+    shape = port.shape + ((2,) if port.is_complex else ())
+    index = tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
+    if port.is_complex:
+        index = index[:-1] + (("real", "imag")[index[-1]],)
+    return index
+
+
+def _mismatch(mode, out, inp, numerical, analytical, tol, naming) -> JacobianMismatch:
+    diff = np.abs(analytical - numerical)
+    excess = diff / (tol.atol + tol.rtol * np.abs(numerical))
+    excess = np.where(np.isnan(excess), np.inf, excess)
+    r, c = np.unravel_index(int(np.argmax(excess)), excess.shape)
+    n, a = float(numerical[r, c]), float(analytical[r, c])
+    return JacobianMismatch(
+        mode=mode,
+        output=naming.output(out.index, out.path),
+        input=naming.input(inp.index, inp.path),
+        output_index=out.index,
+        input_index=inp.index,
+        output_path=out.path,
+        input_path=inp.path,
+        output_element=_element(out, c),
+        input_element=_element(inp, r),
+        numerical_value=n,
+        analytical_value=a,
+        abs_diff=abs(a - n),
+        rel_diff=abs(a - n) / abs(n) if n != 0 else float("inf"),
+        mismatched=int(np.sum(~(diff <= tol.atol + tol.rtol * np.abs(numerical)))),
+        numerical=numerical,
+        analytical=analytical,
+    )
+
+
+def _format_matrix(m: np.ndarray) -> str:
+    with np.printoptions(threshold=64, edgeitems=3, precision=6, linewidth=100, suppress=False):
+        return np.array2string(m, prefix="    ")
+
+
+def _format_element(index: tuple) -> str:
+    return "(" + ", ".join(str(i) for i in index) + ("," if len(index) == 1 else "") + ")"
+
+
+def _describe(m: JacobianMismatch, tol: _Tolerances) -> str:
+    mode = " computed with forward mode" if m.mode == "forward" else ""
+    return (
+        f"Jacobian{mode} mismatch for {m.output} with respect to {m.input}:\n"
+        f"  {m.mismatched} of {m.numerical.size} elements differ by more than "
+        f"atol + rtol * |numerical| (atol={tol.atol:g}, rtol={tol.rtol:g}).\n"
+        f"  worst: {m.output} element {_format_element(m.output_element)} "
+        f"with respect to {m.input} element {_format_element(m.input_element)}\n"
+        f"    numerical:  {m.numerical_value!r}\n"
+        f"    analytical: {m.analytical_value!r}\n"
+        f"    abs diff:   {m.abs_diff:.6g}    rel diff: {m.rel_diff:.6g}\n"
+        f"  numerical Jacobian (rows: elements of {m.input}, columns: elements of "
+        f"{m.output}), shape {m.numerical.shape}:\n"
+        f"    {_format_matrix(m.numerical)}\n"
+        f"  analytical Jacobian{mode}, same layout:\n"
+        f"    {_format_matrix(m.analytical)}"
+    )
+
+
+def _other_problems(checker, summary, tol, naming) -> list[str]:
+    notes, problems = checker.notes, []
+    for (mode, index), e in notes.undefined_errors.items():
+        if mode == "backward":
+            out = notes.outputs[index]
+            problems.append(
+                f"Backward failed with undefined output gradients: using only "
+                f"{naming.output(out.index, out.path)} leaves the gradients of the other "
+                f"outputs undefined (None in a vjpkit Function with "
+                f"ctx.set_materialize_grads(False)), and the backward raised "
+                f"{type(e).__name__}: {e}\nTreat an undefined gradient as zero, or pass "
+                "check_undefined_grad=False."
+            )
+        else:
+            inp = checker.inputs[index]
+            problems.append(
+                f"Forward mode failed with undefined input tangents: differentiating with "
+                f"respect to {naming.input(inp.index, inp.path)} alone leaves the tangents "
+                f"of the other inputs undefined (None in a vjpkit Function's jvp), and it "
+                f"raised {type(e).__name__}: {e}\nTreat an undefined tangent as zero, or pass "
+                "check_undefined_grad=False."
+            )
+    for j, e in notes.batched_errors.items():
+        out = notes.outputs[j]
+        problems.append(
+            f"Batched gradient check failed: vmap of the VJP over gradients of "
+            f"{naming.output(out.index, out.path)} raised {type(e).__name__}: {e}"
+        )
+    for (check, j, k), s in zip(notes.rows, summary):
+        if s[0] <= 0 or check in ("backward", "forward"):
+            continue
+        out, inp = notes.outputs[j], checker.inputs[k]
+        pair = f"{naming.output(out.index, out.path)} with respect to {naming.input(inp.index, inp.path)}"
+        if check == "undefined_backward":
+            problems.append(
+                f"Backward mishandles undefined output gradients: for {pair}, the gradient "
+                f"with the other outputs' gradients undefined (None in a vjpkit Function "
+                f"with ctx.set_materialize_grads(False)) differs from the gradient with "
+                f"explicit zeros, by up to {s[1]:.6g} ({int(s[2])} elements). An undefined "
+                "gradient must act as zero."
+            )
+        elif check == "undefined_forward":
+            problems.append(
+                f"Forward mode mishandles undefined input tangents: for {pair}, the tangent "
+                f"with the other inputs' tangents undefined differs from the one with "
+                f"explicit zeros, by up to {s[1]:.6g} ({int(s[2])} elements). An undefined "
+                "tangent must act as zero."
+            )
+        else:
+            problems.append(
+                f"Batched gradient mismatch for {pair}: vmap of the VJP over "
+                f"{_BATCHED_GRAD_SAMPLES} output gradients differs from a loop over them, by "
+                f"up to {s[1]:.6g} ({int(s[2])} elements)."
+            )
+    return problems
+
+
+def _reentrancy_problems(checker, first, second, tol, naming) -> list[str]:
+    problems = []
+    for j, (rows1, rows2) in enumerate(zip(first, second)):
+        for k, (a1, a2) in enumerate(zip(rows1, rows2)):
+            a1, a2 = np.asarray(a1), np.asarray(a2)
+            worst = float(np.max(np.abs(a1 - a2), initial=0.0))
+            if not worst <= tol.nondet_tol:
+                out, inp = checker.notes.outputs[j], checker.inputs[k]
+                problems.append(
+                    f"Backward is not reentrant: running it twice with the same inputs and "
+                    f"output gradients gave values differing by up to {worst:.6g} for "
+                    f"{naming.output(out.index, out.path)} with respect to "
+                    f"{naming.input(inp.index, inp.path)}, although the analytical gradient "
+                    f"matches the numerical one. The tolerance for nondeterminism was "
+                    f"nondet_tol={tol.nondet_tol:g}."
+                )
+    return problems
+
+
+# ---------------------------------------------------------------------------
+# gradgradcheck: the VJP as a function of (inputs, cotangents).
+
+
+class _VJPOf:
+    """``(*args, *cotangents) -> gradients of args`` for ``fn``; hashable, so cached."""
+
+    def __init__(self, fn: Callable, n_args: int):
+        self.fn, self.n_args = fn, n_args
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _VJPOf) and (self.fn, self.n_args) == (other.fn, other.n_args)
+
+    def __hash__(self) -> int:
+        return hash((_VJPOf, self.fn, self.n_args))
+
+    def __call__(self, *all_args: Any) -> tuple:
+        args, cotangents = all_args[: self.n_args], all_args[self.n_args :]
+        partition, diff, fixed = _partition(args)
+
+        def outputs(d: list) -> list:
+            out = self.fn(*partition.merge(d, fixed))
+            return [y for y in jax.tree_util.tree_leaves(_as_outputs(out))
+                    if is_array(y) and _is_inexact(y)]
+
+        ys, pullback = jax.vjp(outputs, list(diff))
+        cts = [jnp.asarray(c).astype(y.dtype) for c, y in zip(jax.tree_util.tree_leaves(cotangents), ys)]
+        (grads,) = pullback(cts)
+        leaves: list = [None] * len(partition.kinds)
+        for i, g in zip([i for i, kind in enumerate(partition.kinds) if kind == "diff"], grads):
+            leaves[i] = g
+        return jax.tree_util.tree_unflatten(partition.treedef, leaves)
+
+
+def _differentiable_output_shapes(fn: Callable, args: tuple) -> list[tuple[tuple, Any]]:
+    partition, diff, fixed = _partition(args)
+
+    def outputs(d: list, fx: list) -> list:
+        out = fn(*partition.merge(d, fx))
+        return [jnp.asarray(y) for y in jax.tree_util.tree_leaves(_as_outputs(out))
+                if is_array(y) and _is_inexact(y)]
+
+    cast = [jax.ShapeDtypeStruct(np.shape(v), jnp.complex128 if jnp.iscomplexobj(v) else jnp.float64)
+            for v in diff]
+    return [(tuple(s.shape), s.dtype) for s in jax.eval_shape(outputs, cast, list(fixed))]
+
+
+def _check_grad_outputs(cotangents: tuple, expected: list) -> None:
+    leaves = [c for c in jax.tree_util.tree_leaves(cotangents)]
+    got = [tuple(np.shape(c)) for c in leaves]
+    want = [shape for shape, _ in expected]
+    if got != want or not all(is_array(c) and _is_inexact(c) for c in leaves):
+        raise ValueError(
+            f"gradgradcheck: grad_outputs must hold one floating-point array per "
+            f"differentiable output of fn, with shapes {want}; got "
+            f"{[f'{type(c).__name__}{tuple(np.shape(c))}' for c in leaves]}."
+        )

@@ -1,0 +1,66 @@
+"""Functions the gradcheck, testing and CLI tests check (importable as ``gc_functions``)."""
+
+import jax.numpy as jnp
+
+import vjpkit
+
+
+class LinearFunction(vjpkit.Function):
+    """The PyTorch tutorial's LinearFunction, ported."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias=None):
+        ctx.save_for_backward(input, weight, bias)
+        output = input @ weight.T
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output @ weight
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_output.T @ input
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+class ScaledLinearFunction(vjpkit.Function):
+    """LinearFunction whose weight gradient is 1.1 times too large."""
+
+    @staticmethod
+    def forward(ctx, input, weight):
+        ctx.save_for_backward(input, weight)
+        return input @ weight.T
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        return grad_output @ weight, 1.1 * (grad_output.T @ input)
+
+
+class Exp(vjpkit.Function):
+    """exp, whose backward reuses the saved output (differentiable twice)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = jnp.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+def square(x):
+    """A plain JAX function: the command line checks any function of arrays."""
+    return x * x
+
+
+NOT_A_FUNCTION = 3

@@ -1,0 +1,648 @@
+"""gradcheck and gradgradcheck: what passes, what is caught, and what the report says.
+
+Wrong backwards are written by hand (``jax.custom_vjp`` or vjpkit
+Functions); the true derivatives they are compared with come from
+``jax.jacobian`` of the same math in plain ``jnp``, never from gradcheck.
+"""
+
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpkit
+from gc_functions import Exp, LinearFunction
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((2, 3))
+W = RNG.standard_normal((4, 3))
+V = np.array([0.7, -1.3, 0.4, -0.2, 1.1])  # away from 0, for kinks at 0
+
+
+def custom_vjp(fn, bwd):
+    """``fn`` with the hand-written backward ``bwd(*args, g) -> grads``."""
+    f = jax.custom_vjp(fn)
+    f.defvjp(lambda *args: (fn(*args), args), lambda args, g: tuple(bwd(*args, g)))
+    return f
+
+
+def linear(x, w):
+    return x @ w.T
+
+
+def mismatches(fn, inputs, **kw):
+    with pytest.raises(vjpkit.GradcheckError) as info:
+        vjpkit.gradcheck(fn, inputs, **kw)
+    return info.value.mismatches
+
+
+def true_jacobian(fn, inputs, output, argnum):
+    """The (input elements, output elements) block of fn's Jacobian, from jax.jacobian."""
+    with jax.enable_x64(True):
+        jac = jax.jacobian(lambda *a: fn(*a)[output] if output is not None else fn(*a), argnum)(*inputs)
+        out_size = np.size(fn(*inputs)[output] if output is not None else fn(*inputs))
+    return np.asarray(jac).reshape(out_size, -1).T
+
+
+# ---------------------------------------------------------------------------
+# Correct functions pass.
+
+
+def test_tutorial_linear_function_passes():
+    rng = np.random.default_rng(1)
+    inputs = (rng.standard_normal((20, 20)), rng.standard_normal((30, 20)))
+    assert vjpkit.gradcheck(LinearFunction.apply, inputs, eps=1e-6, atol=1e-4) is True
+
+
+def test_linear_function_with_bias_passes():
+    assert vjpkit.gradcheck(LinearFunction.apply, (X, W, V[:4]))
+
+
+def test_plain_jnp_function_passes():
+    assert vjpkit.gradcheck(lambda x, w: jnp.tanh(x @ w.T) ** 2, (X, W))
+
+
+def test_hand_written_custom_vjp_passes():
+    f = custom_vjp(linear, lambda x, w, g: (g @ w, g.T @ x))
+    assert vjpkit.gradcheck(f, (X, W))
+
+
+def test_pytree_inputs_and_outputs_pass():
+    def f(params, x):
+        y = x @ params["w"].T + params["b"]
+        return {"y": y, "norms": (jnp.sum(y**2), jnp.sum(params["w"] ** 2))}
+
+    assert vjpkit.gradcheck(f, ({"w": W, "b": V[:4]}, X))
+
+
+def test_list_inputs_are_positional_arguments():
+    assert vjpkit.gradcheck(linear, [X, W])
+
+
+def test_single_array_input_is_one_argument():
+    assert vjpkit.gradcheck(jnp.sin, V)
+
+
+def test_zero_size_input_passes():
+    assert vjpkit.gradcheck(lambda x, e: jnp.sin(x) + jnp.sum(e), (V, np.zeros((0, 3))))
+
+
+def test_zero_size_output_passes():
+    assert vjpkit.gradcheck(lambda x: (jnp.sin(x), x[:0] * 2.0), (V,))
+
+
+def test_integer_input_is_held_fixed():
+    index = np.array([4, 0, 0])
+    assert vjpkit.gradcheck(lambda x, i: x[i] ** 2, (V, index))
+
+
+def test_non_array_inputs_are_held_fixed():
+    def f(x, scale, kind):
+        return scale * (jnp.sin(x) if kind == "sin" else jnp.cos(x))
+
+    assert vjpkit.gradcheck(f, (V, 3.0, "sin"))
+
+
+def test_integer_and_non_differentiable_outputs_are_skipped():
+    assert vjpkit.gradcheck(lambda x: (jnp.sin(x), jnp.argmax(x), "label"), (V,))
+
+
+def test_complex_function_passes():
+    z = np.array([1.0 + 2.0j, -0.5 + 0.3j])
+    assert vjpkit.gradcheck(lambda z: z**2 * jnp.conj(z), (z,))
+
+
+# ---------------------------------------------------------------------------
+# Wrong backwards are caught, at the right (output, input) pair.
+
+
+def test_backward_scaled_by_1_1_is_caught():
+    f = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+    (m,) = mismatches(f, (V,))
+    assert (m.output_index, m.input_index) == (0, 0)
+    assert m.analytical_value == pytest.approx(1.1 * m.numerical_value, rel=1e-6)
+
+
+def test_transposed_backward_is_caught_for_that_input_only():
+    a, b = RNG.standard_normal((3, 3)), RNG.standard_normal((3, 3))
+    f = custom_vjp(lambda a, b: a @ b, lambda a, b, g: (g @ b, a.T @ g))  # g @ b.T is right
+    (m,) = mismatches(f, (a, b))
+    assert (m.output, m.input) == ("output 0", "input 0")
+
+
+def test_missing_term_is_caught():
+    # d/dx x sin(x) = sin(x) + x cos(x); the backward forgets x cos(x).
+    f = custom_vjp(lambda x: x * jnp.sin(x), lambda x, g: (g * jnp.sin(x),))
+    (m,) = mismatches(f, (V,))
+    i = m.input_element[0]
+    assert m.output_element == (i,)
+    assert m.numerical_value == pytest.approx(np.sin(V[i]) + V[i] * np.cos(V[i]), rel=1e-6)
+    assert m.analytical_value == pytest.approx(np.sin(V[i]), rel=1e-12)
+
+
+def test_wrong_gradient_for_one_input_only_is_reported_for_that_input():
+    f = custom_vjp(linear, lambda x, w, g: (g @ w, 0.9 * (g.T @ x)))
+    (m,) = mismatches(f, (X, W))
+    assert (m.output_index, m.input_index) == (0, 1)
+    assert m.mismatched == np.count_nonzero(true_jacobian(linear, (X, W), None, 1))
+
+
+def test_backward_wrong_only_where_x_is_negative_is_caught_there():
+    def leaky(x):
+        return jnp.where(x > 0, x, 0.1 * x)
+
+    f = custom_vjp(leaky, lambda x, g: (jnp.where(x > 0, g, 0.2 * g),))  # slope 0.1 is right
+    (m,) = mismatches(f, (V,))
+    negative = np.flatnonzero(V < 0)
+    assert m.mismatched == len(negative)
+    assert m.input_element == (negative[0],)
+    assert (m.numerical_value, m.analytical_value) == (pytest.approx(0.1), pytest.approx(0.2))
+
+
+def test_backward_wrong_only_for_second_output_is_reported_for_that_output():
+    def f(x):
+        return jnp.sin(x), jnp.cos(x)
+
+    wrong = custom_vjp(f, lambda x, g: (g[0] * jnp.cos(x) + g[1] * jnp.sin(x),))  # -sin is right
+    (m,) = mismatches(wrong, (V,))
+    assert (m.output, m.input) == ("output 1", "input 0")
+
+
+def test_mismatch_names_pytree_paths_of_input_and_output():
+    def f(params, x):
+        return {"y": x @ params["w"].T + params["b"]}
+
+    wrong = custom_vjp(f, lambda p, x, g: ({"w": g["y"].T @ x, "b": 2 * g["y"].sum(0)}, g["y"] @ p["w"]))
+    (m,) = mismatches(wrong, ({"b": V[:4], "w": W}, X))
+    assert (m.input, m.output) == ("input 0 ['b']", "output 0 ['y']")
+    assert (m.input_index, m.input_path, m.output_path) == (0, "['b']", "['y']")
+
+
+def test_mismatch_holds_both_jacobians_in_pytorch_layout():
+    f = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+    (m,) = mismatches(f, (X, W))
+    expected = true_jacobian(linear, (X, W), None, 0)  # (input elements, output elements)
+    np.testing.assert_allclose(m.numerical, expected, atol=1e-8)
+    np.testing.assert_allclose(m.analytical, 1.1 * expected, atol=1e-12)
+
+
+def test_worst_element_is_indexed_in_the_leaves_own_shapes():
+    # d y[i, j] / d x[i, k] = w[j, k]: only those pairs are nonzero.
+    f = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+    (m,) = mismatches(f, (X, W))
+    (i, j), (i2, k) = m.output_element, m.input_element
+    assert i == i2
+    assert m.numerical_value == pytest.approx(W[j, k], rel=1e-6)
+
+
+def test_complex_mismatch_names_real_and_imaginary_parts():
+    z = np.array([1.0 + 2.0j, -0.5 + 0.3j])
+    # JAX's VJP of a holomorphic f is g * f'(z); PyTorch's conjugates it.
+    f = custom_vjp(lambda z: z**2, lambda z, g: (g * jnp.conj(2 * z),))
+    (m,) = mismatches(f, (z,))
+    assert m.input_element[-1] in ("real", "imag") and m.output_element[-1] in ("real", "imag")
+
+
+def test_every_mismatching_pair_is_reported():
+    f = custom_vjp(linear, lambda x, w, g: (2 * (g @ w), 2 * (g.T @ x)))
+    assert [(m.output_index, m.input_index) for m in mismatches(f, (X, W))] == [(0, 0), (0, 1)]
+
+
+def test_nan_gradient_is_a_mismatch():
+    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.nan,))
+    (m,) = mismatches(f, (V,))
+    assert np.isnan(m.analytical_value)
+
+
+# ---------------------------------------------------------------------------
+# The report.
+
+
+def test_report_names_pair_worst_element_values_and_differences():
+    f = custom_vjp(linear, lambda x, w, g: (g @ w, 0.9 * (g.T @ x)))
+    with pytest.raises(vjpkit.GradcheckError) as info:
+        vjpkit.gradcheck(f, (X, W))
+    (m,) = info.value.mismatches
+    report = str(info.value)
+    assert report.startswith("Jacobian mismatch for output 0 with respect to input 1:")
+    assert f"worst: output 0 element {m.output_element} with respect to input 1 element {m.input_element}" in report
+    assert f"numerical:  {m.numerical_value!r}" in report
+    assert f"analytical: {m.analytical_value!r}" in report
+    assert f"abs diff:   {m.abs_diff:.6g}" in report and f"rel diff: {m.rel_diff:.6g}" in report
+    assert "numerical Jacobian (rows: elements of input 1, columns: elements of output 0), shape (12, 8)" in report
+
+
+def test_report_truncates_large_jacobians():
+    rng = np.random.default_rng(2)
+    inputs = (rng.standard_normal((20, 20)), rng.standard_normal((30, 20)))
+    f = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+    with pytest.raises(vjpkit.GradcheckError) as info:
+        vjpkit.gradcheck(f, inputs, eps=1e-6, atol=1e-4)
+    report = str(info.value)
+    assert "shape (400, 600)" in report and "..." in report
+    assert len(report) < 5000
+
+
+def test_gradcheck_error_is_a_runtime_error():
+    assert issubclass(vjpkit.GradcheckError, RuntimeError)
+
+
+def test_raise_exception_false_returns_false():
+    f = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+    assert vjpkit.gradcheck(f, (V,), raise_exception=False) is False
+
+
+def test_tolerances_decide_what_passes():
+    f = custom_vjp(jnp.sin, lambda x, g: (1.01 * g * jnp.cos(x),))  # 1% off
+    assert not vjpkit.gradcheck(f, (V,), rtol=1e-3, raise_exception=False)
+    assert vjpkit.gradcheck(f, (V,), rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------
+# fast_mode.
+
+
+def test_fast_mode_passes_correct_function():
+    rng = np.random.default_rng(1)
+    inputs = (rng.standard_normal((20, 20)), rng.standard_normal((30, 20)))
+    assert vjpkit.gradcheck(LinearFunction.apply, inputs, eps=1e-6, atol=1e-4, fast_mode=True)
+
+
+def test_fast_mode_failure_reports_projection_and_full_jacobians():
+    f = custom_vjp(linear, lambda x, w, g: (g @ w, 1.1 * (g.T @ x)))
+    with pytest.raises(vjpkit.GradcheckError) as info:
+        vjpkit.gradcheck(f, (X, W), fast_mode=True)
+    report = str(info.value)
+    assert report.startswith("Fast-mode Jacobian mismatch for output 0 with respect to input 1: v^T J u")
+    assert "The full Jacobians (slow mode)" in report
+    assert "Jacobian mismatch for output 0 with respect to input 1:" in report
+    assert [(m.output_index, m.input_index) for m in info.value.mismatches] == [(0, 1)]
+
+
+def test_fast_mode_raise_exception_false_returns_false():
+    f = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+    assert vjpkit.gradcheck(f, (V,), fast_mode=True, raise_exception=False) is False
+
+
+# ---------------------------------------------------------------------------
+# check_undefined_grad.
+
+
+class SinCos(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x)
+        return jnp.sin(x), jnp.cos(x)
+
+    @staticmethod
+    def backward(ctx, g_sin, g_cos):
+        (x,) = ctx.saved_tensors
+        g = jnp.zeros_like(x)
+        if g_sin is not None:
+            g = g + g_sin * jnp.cos(x)
+        if g_cos is not None:
+            g = g - g_cos * jnp.sin(x)
+        return g
+
+
+class SinCosAssumingGradients(SinCos):
+    @staticmethod
+    def backward(ctx, g_sin, g_cos):
+        (x,) = ctx.saved_tensors
+        return g_sin * jnp.cos(x) - g_cos * jnp.sin(x)  # fails on None
+
+
+class SinCosWrongWhenUndefined(SinCos):
+    @staticmethod
+    def backward(ctx, g_sin, g_cos):
+        (x,) = ctx.saved_tensors
+        if g_cos is None:
+            return 2 * g_sin * jnp.cos(x)
+        return g_sin * jnp.cos(x) - g_cos * jnp.sin(x)
+
+
+def test_backward_handling_undefined_gradients_passes():
+    assert vjpkit.gradcheck(SinCos.apply, (V,))
+
+
+def test_backward_failing_on_undefined_gradient_is_reported():
+    with pytest.raises(vjpkit.GradcheckError, match=r"(?s)Backward failed with undefined output gradients: "
+                       r"using only output 0 .*raised TypeError"):
+        vjpkit.gradcheck(SinCosAssumingGradients.apply, (V,))
+
+
+def test_backward_wrong_for_undefined_gradient_is_reported():
+    with pytest.raises(vjpkit.GradcheckError, match="Backward mishandles undefined output gradients: "
+                       "for output 0 with respect to input 0"):
+        vjpkit.gradcheck(SinCosWrongWhenUndefined.apply, (V,))
+
+
+def test_check_undefined_grad_false_skips_that_check():
+    assert vjpkit.gradcheck(SinCosAssumingGradients.apply, (V,), check_undefined_grad=False)
+
+
+# ---------------------------------------------------------------------------
+# check_batched_grad, and functions that cannot be vmapped.
+
+
+def callback_vjp(callback, vmap_method):
+    """sin, whose backward calls ``callback(x, g)`` on the host."""
+
+    def bwd(x, g):
+        shape = jax.ShapeDtypeStruct(g.shape, g.dtype)
+        return (jax.pure_callback(callback, shape, x, g, vmap_method=vmap_method),)
+
+    return custom_vjp(jnp.sin, bwd)
+
+
+def sin_backward(x, g):
+    return np.cos(x) * g
+
+
+def first_example_only(x, g):
+    out = np.cos(x) * g
+    return out if out.ndim == 1 else np.broadcast_to(out[:1], out.shape)  # ignores the batch
+
+
+def test_batched_grad_passes_correct_function():
+    assert vjpkit.gradcheck(LinearFunction.apply, (X, W), check_batched_grad=True)
+
+
+def test_backward_wrong_under_vmap_fails_batched_grad_check():
+    f = callback_vjp(first_example_only, "expand_dims")
+    with pytest.raises(vjpkit.GradcheckError, match="Batched gradient mismatch for output 0 with respect to input 0"):
+        vjpkit.gradcheck(f, (V,), check_batched_grad=True)
+
+
+def test_function_without_vmap_is_checked_in_a_loop_with_a_warning():
+    f = callback_vjp(sin_backward, None)
+    with pytest.warns(UserWarning, match="the VJP does not support vmap, so gradcheck evaluated it in a sequential loop"):
+        assert vjpkit.gradcheck(f, (V,))
+
+
+def test_backward_without_vmap_fails_batched_grad_check():
+    f = callback_vjp(sin_backward, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(vjpkit.GradcheckError, match="vmap of the VJP over gradients of output 0 raised NotImplementedError"):
+            vjpkit.gradcheck(f, (V,), check_batched_grad=True)
+
+
+# ---------------------------------------------------------------------------
+# nondet_tol.
+
+
+def noisy_backward(step):
+    calls = itertools.count(1)
+    return lambda x, g: np.cos(x) * g + step * next(calls)  # differs on every call
+
+
+def test_nondeterministic_backward_is_reported():
+    f = callback_vjp(noisy_backward(1e-9), "sequential")
+    with pytest.raises(vjpkit.GradcheckError, match="Backward is not reentrant: .* nondet_tol=0"):
+        vjpkit.gradcheck(f, (V,))
+
+
+def test_nondeterminism_within_nondet_tol_passes():
+    f = callback_vjp(noisy_backward(1e-9), "sequential")
+    assert vjpkit.gradcheck(f, (V,), nondet_tol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# check_forward_ad and check_backward_ad.
+
+
+class SinWithJvp(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+        return jnp.sin(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * jnp.cos(x)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return t * jnp.cos(x)
+
+
+class SinWithWrongJvp(SinWithJvp):
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return 1.1 * t * jnp.cos(x)
+
+
+class SinWithWrongBackward(SinWithJvp):
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 1.1 * g * jnp.cos(x)
+
+
+def test_forward_ad_passes_for_plain_jax_and_for_a_function_with_jvp():
+    assert vjpkit.gradcheck(lambda x, w: jnp.tanh(x @ w.T), (X, W), check_forward_ad=True)
+    assert vjpkit.gradcheck(SinWithJvp.apply, (V,), check_forward_ad=True)
+
+
+def test_wrong_jvp_is_caught_in_forward_mode():
+    (m,) = mismatches(SinWithWrongJvp.apply, (V,), check_forward_ad=True)
+    assert (m.mode, m.output, m.input) == ("forward", "output 0", "input 0")
+    assert m.analytical_value == pytest.approx(1.1 * m.numerical_value, rel=1e-6)
+
+
+def test_forward_ad_is_skipped_with_a_warning_naming_the_class_without_jvp():
+    with pytest.warns(UserWarning, match="skipped check_forward_ad because fn has no forward mode .*LinearFunction"):
+        assert vjpkit.gradcheck(LinearFunction.apply, (X, W), check_forward_ad=True)
+
+
+def test_forward_ad_is_skipped_for_a_custom_vjp():
+    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(x),))
+    with pytest.warns(UserWarning, match="skipped check_forward_ad .*custom_vjp"):
+        assert vjpkit.gradcheck(f, (V,), check_forward_ad=True)
+
+
+def test_forward_only_check_without_forward_mode_fails():
+    with pytest.raises(vjpkit.GradcheckError, match="Nothing was checked: check_backward_ad=False"):
+        vjpkit.gradcheck(LinearFunction.apply, (X, W), check_forward_ad=True, check_backward_ad=False)
+
+
+def test_check_backward_ad_false_does_not_check_backward():
+    assert vjpkit.gradcheck(SinWithWrongBackward.apply, (V,), check_forward_ad=True, check_backward_ad=False)
+    assert not vjpkit.gradcheck(SinWithWrongBackward.apply, (V,), raise_exception=False)
+
+
+def test_fast_mode_checks_forward_ad_too():
+    assert vjpkit.gradcheck(SinWithJvp.apply, (V,), fast_mode=True, check_forward_ad=True)
+    assert not vjpkit.gradcheck(SinWithWrongJvp.apply, (V,), fast_mode=True, check_forward_ad=True,
+                                raise_exception=False)
+
+
+# ---------------------------------------------------------------------------
+# Precision: float64 for gradcheck's own work, nothing leaks out.
+
+
+def test_float32_input_warns_and_is_checked_in_float64():
+    with pytest.warns(UserWarning, match="input 0 has dtype float32; gradcheck casts it to double precision"):
+        assert vjpkit.gradcheck(jnp.sin, (V.astype(np.float32),))
+
+
+def test_float32_output_warns():
+    with pytest.warns(UserWarning, match="output 0 has dtype float32 although fn ran on float64 inputs"):
+        vjpkit.gradcheck(lambda x: jnp.sin(x).astype(jnp.float32), (V,), atol=1e-2, raise_exception=False)
+
+
+def test_x64_setting_does_not_leak_into_the_caller():
+    before = jax.config.jax_enable_x64
+    vjpkit.gradcheck(jnp.sin, (V,))
+    assert jax.config.jax_enable_x64 == before
+    assert jnp.zeros(1).dtype == (jnp.float64 if before else jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# Compilation: one program per (function, input signature, options).
+
+
+def test_repeated_check_does_not_retrace():
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return jnp.sin(x)
+
+    vjpkit.gradcheck(f, (V,))
+    first = len(traces)
+    vjpkit.gradcheck(f, (V + 1.0,), eps=1e-5, atol=1e-4, rtol=1e-2)
+    assert len(traces) == first
+
+
+def test_new_input_shape_compiles_a_new_program():
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return jnp.sin(x)
+
+    vjpkit.gradcheck(f, (V,))
+    first = len(traces)
+    vjpkit.gradcheck(f, (V[:3],))
+    assert len(traces) > first
+
+
+# ---------------------------------------------------------------------------
+# Argument errors.
+
+
+def test_both_modes_off_is_an_error():
+    with pytest.raises(ValueError, match="expected at least one of check_forward_ad or check_backward_ad to be True"):
+        vjpkit.gradcheck(jnp.sin, (V,), check_backward_ad=False)
+
+
+def test_batched_grad_without_backward_is_an_error():
+    with pytest.raises(ValueError, match="check_batched_grad=True checks vmap of the VJP, so it requires check_backward_ad=True"):
+        vjpkit.gradcheck(jnp.sin, (V,), check_batched_grad=True, check_forward_ad=True, check_backward_ad=False)
+
+
+def test_non_positive_eps_is_an_error():
+    with pytest.raises(ValueError, match="eps must be positive, got 0.0"):
+        vjpkit.gradcheck(jnp.sin, (V,), eps=0.0)
+
+
+def test_negative_tolerance_is_an_error():
+    with pytest.raises(ValueError, match="atol must be non-negative, got -1.0"):
+        vjpkit.gradcheck(jnp.sin, (V,), atol=-1.0)
+
+
+def test_no_floating_point_input_is_an_error():
+    with pytest.raises(ValueError, match="no floating-point or complex array among the inputs"):
+        vjpkit.gradcheck(lambda i: i * 2, (np.arange(3),))
+
+
+def test_errors_raised_by_the_function_propagate():
+    def f(x):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        vjpkit.gradcheck(f, (V,), raise_exception=False)
+
+
+# ---------------------------------------------------------------------------
+# gradgradcheck.
+
+
+def test_gradgradcheck_passes_plain_jax():
+    assert vjpkit.gradgradcheck(lambda x, w: jnp.tanh(x @ w.T), (X, W))
+
+
+def test_gradgradcheck_passes_function_whose_backward_uses_saved_output():
+    assert vjpkit.gradgradcheck(Exp.apply, (V,))
+
+
+def test_gradgradcheck_passes_tutorial_linear_function_with_bias():
+    assert vjpkit.gradgradcheck(LinearFunction.apply, (X, W, V[:4]))
+
+
+def test_gradgradcheck_catches_backward_that_is_right_only_to_first_order():
+    # The backward hides x from differentiation: its own derivative is missing g * -sin(x).
+    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    assert vjpkit.gradcheck(f, (V,))
+    with pytest.raises(vjpkit.GradcheckError) as info:
+        vjpkit.gradgradcheck(f, (V,))
+    (m,) = info.value.mismatches
+    assert (m.output, m.input) == ("the gradient of input 0", "input 0")
+
+
+def test_gradgradcheck_names_grad_outputs_in_the_report():
+    # The backward hides g from differentiation: its derivative in g is missing.
+    f = custom_vjp(jnp.sin, lambda x, g: (jax.lax.stop_gradient(g) * jnp.cos(x),))
+    with pytest.raises(vjpkit.GradcheckError) as info:
+        vjpkit.gradgradcheck(f, (V,))
+    (m,) = info.value.mismatches
+    assert (m.output, m.input) == ("the gradient of input 0", "grad_outputs[0]")
+    assert "Jacobian mismatch for the gradient of input 0 with respect to grad_outputs[0]:" in str(info.value)
+
+
+def test_gradgradcheck_uses_given_grad_outputs():
+    # The missing second-order term is -g * sin(x): invisible where g is zero.
+    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    assert vjpkit.gradgradcheck(f, (V,), (np.zeros(5),))
+    assert vjpkit.gradgradcheck(f, (V,), np.zeros(5))  # a single array for a single output
+    assert not vjpkit.gradgradcheck(f, (V,), (np.ones(5),), raise_exception=False)
+
+
+def test_gradgradcheck_rejects_grad_outputs_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"grad_outputs must hold one floating-point array per differentiable "
+                       r"output of fn, with shapes \[\(5,\)\]; got \['ndarray\(4,\)'\]"):
+        vjpkit.gradgradcheck(jnp.sin, (V,), (np.ones(4),))
+
+
+def test_gradgradcheck_of_once_differentiable_backward_raises_its_error():
+    class OnceExp(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = jnp.exp(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        @vjpkit.once_differentiable
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * y
+
+    assert vjpkit.gradcheck(OnceExp.apply, (V,))
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        vjpkit.gradgradcheck(OnceExp.apply, (V,))
+
+
+def test_gradgradcheck_raise_exception_false_returns_false():
+    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    assert vjpkit.gradgradcheck(f, (V,), raise_exception=False) is False
