@@ -18,7 +18,7 @@ from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 
-__all__ = ["is_staging", "called_from_forward_mode", "linear_call", "symbolic_zero_like"]
+__all__ = ["is_staging", "called_from_forward_mode", "linear_call", "symbolic_zero_like", "varying_axes"]
 
 _DynamicJaxprTrace = _pe.DynamicJaxprTrace
 _JVP_CUSTOM_VJP_CODE = _ad.JVPTrace.process_custom_vjp_call.__code__
@@ -77,6 +77,16 @@ def _linearizing_by_jvp(frame: Any) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The ``jax.shard_map`` mesh axes along which ``x`` differs between devices.
+
+    Why: inside ``shard_map`` the type of an array says whether it varies
+    across devices, and a ``custom_vjp`` gradient must have its input's type.
+    Relies on the aval's ``mat.varying`` (called ``vma`` before JAX 0.10).
+    """
+    return jax.typeof(x).mat.varying
 
 
 def symbolic_zero_like(x: Any) -> Any:
@@ -250,3 +260,22 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
 _ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
 _ad.primitive_transposes[_linear_call_p] = _linear_call_transpose
 _batching.fancy_primitive_batchers[_linear_call_p] = _linear_call_batch
+
+
+# ---------------------------------------------------------------------------
+# A thread-local mode that is part of JAX's compile-cache keys.
+
+
+def thread_local_flag(name: str) -> Any:
+    """A boolean JAX configuration state: ``.value``, ``.swap_local(v)``, ``.set_local(prev)``.
+
+    Why: ``vjpkit.detect_anomaly`` changes what vjpkit traces, so a program
+    that ``jax.jit`` traced without it must not be reused with it (nor the
+    reverse). JAX puts such states in its dispatch and trace cache keys, and
+    keeps their local values per thread. Relies on ``jaxlib``'s
+    ``config_ext.Config`` with ``include_in_jit_key`` and
+    ``include_in_trace_context``, as ``jax._src.config`` builds its own.
+    """
+    return _config.config_ext.Config(
+        name, False, include_in_jit_key=True, include_in_trace_context=True
+    )

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from . import _jax_internals
 from ._args import as_jax_leaf, static_key_of
 from ._ctx import _short_repr, is_array
 
@@ -154,7 +155,7 @@ def check_backward_outputs(
 
     ``leaf_kinds`` has, for every leaf of the bound arguments (in flattening
     order), either ``None`` for a static leaf or the ``(shape, dtype)`` of an
-    array leaf.
+    array leaf, optionally followed by its ``shard_map`` varying axes.
     """
     n = len(param_treedefs)
     was_list = isinstance(result, list)
@@ -208,7 +209,7 @@ def check_backward_outputs(
                         f"None, got {_short_repr(g)}."
                     )
                 continue
-            shape, dtype = kind
+            shape, dtype, *varying = kind
             if g is None or not is_differentiable_dtype(dtype):
                 cotangents.append(None)
                 continue
@@ -223,6 +224,8 @@ def check_backward_outputs(
                 )
             g = _fit_shape(owner, method, at, g, shape)
             g = _fit_dtype(owner, method, at, g, dtype)
+            if varying:
+                g = _fit_varying(g, varying[0])
             cotangents.append(g if needs[i] else None)
         leaf += n_leaves
     return cotangents
@@ -248,6 +251,26 @@ def _fit_shape(owner: str, method: str, at: str, g: Any, shape: tuple) -> Any:
         lead + k for k, d in enumerate(shape) if d == 1 and g_shape[lead + k] != 1
     )
     return jnp.sum(g, axis=axes).reshape(shape)
+
+
+def _fit_varying(g: Any, varying: frozenset) -> Any:
+    """Gives a gradient its input's ``shard_map`` type (the axes it varies along).
+
+    Why: an input that is the same on every device (``in_specs=P()``) but
+    meets per-device data in forward is implicitly broadcast across devices
+    (``pvary``); the adjoint of that broadcast is a sum over them (``psum``),
+    as in JAX's own autodiff. backward computes this device's share, so it
+    is summed: the same rule as a broadcast shape summed down. A gradient
+    that does not vary for an input that does is only retyped (``pcast``).
+    """
+    g_varying = _jax_internals.varying_axes(g)
+    extra = g_varying - varying
+    if extra:
+        g = jax.lax.psum(g, tuple(sorted(extra, key=str)))
+    missing = varying - g_varying
+    if missing:
+        g = jax.lax.pcast(g, tuple(sorted(missing, key=str)), to="varying")
+    return g
 
 
 def _fit_dtype(owner: str, method: str, at: str, g: Any, dtype: Any) -> Any:
