@@ -1,0 +1,96 @@
+"""The command line: ``python -m vjpkit check MODULE:NAME --inputs SPEC``.
+
+Most tests call ``vjpkit.__main__.main`` in process (fast); one runs the real
+``python -m vjpkit`` to check the wiring. Functions come from gc_functions.py.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vjpkit.__main__ import main
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(capsys, *argv):
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_passing_function_exits_0_with_a_report(capsys):
+    status, out, _ = run(capsys, "check", "gc_functions:LinearFunction", "--inputs", "f64[4,3] f64[5,3]")
+    assert status == 0
+    assert out.startswith("vjpkit check gc_functions:LinearFunction on f64[4,3] f64[5,3] (seed 0)\n")
+    assert "gradcheck: passed" in out
+
+
+def test_gradient_mismatch_exits_1_with_the_report(capsys):
+    status, out, _ = run(capsys, "check", "gc_functions:ScaledLinearFunction", "--inputs", "f64[4,3] f64[5,3]")
+    assert status == 1
+    assert "gradcheck: FAILED\nJacobian mismatch for output 0 with respect to input 1:" in out
+
+
+def test_plain_function_is_checked(capsys):
+    status, out, _ = run(capsys, "check", "gc_functions:square", "--inputs", "f64[3]")
+    assert (status, "gradcheck: passed" in out) == (0, True)
+
+
+def test_gradgrad_option_runs_gradgradcheck(capsys):
+    status, out, _ = run(capsys, "check", "gc_functions:Exp", "--inputs", "f64[3]", "--gradgrad")
+    assert status == 0
+    assert "gradcheck: passed" in out and "gradgradcheck: passed" in out
+
+
+def test_tolerance_options_are_passed_on(capsys):
+    status, _, _ = run(capsys, "check", "gc_functions:ScaledLinearFunction", "--inputs", "f64[4,3] f64[5,3]",
+                       "--rtol", "0.2")
+    assert status == 0
+
+
+def test_function_raising_on_the_inputs_exits_1(capsys):
+    status, out, err = run(capsys, "check", "gc_functions:LinearFunction", "--inputs", "f64[4,3] f64[5,2]")
+    assert status == 1
+    assert "gradcheck: FAILED: gc_functions:LinearFunction raised TypeError" in out
+    assert "Traceback" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["check", "no_such_module_xyz:F", "--inputs", "f64[3]"],
+         "vjpkit: error: cannot import module 'no_such_module_xyz': ModuleNotFoundError: "
+         "No module named 'no_such_module_xyz'"),
+        (["check", "gc_functions:Nope", "--inputs", "f64[3]"],
+         "vjpkit: error: module 'gc_functions' has no attribute 'Nope'"),
+        (["check", "gc_functions:NOT_A_FUNCTION", "--inputs", "f64[3]"],
+         "vjpkit: error: gc_functions:NOT_A_FUNCTION is a int, not a Function or a function"),
+        (["check", "gc_functions", "--inputs", "f64[3]"],
+         "vjpkit: error: expected MODULE:NAME (e.g. mypkg.ops:Linear), got 'gc_functions'"),
+        (["check", "gc_functions:square", "--inputs", "f64[3,x]"],
+         "vjpkit: error: malformed input spec 'f64[3,x]': expected DTYPE[d0,d1,...]"),
+        (["check", "gc_functions:square"],
+         "vjpkit: error: the following arguments are required: --inputs"),
+        (["check", "gc_functions:square", "--inputs", "f64[3]", "--atol", "small"],
+         "vjpkit: error: argument --atol: invalid float value: 'small'"),
+        (["frobnicate"],
+         "vjpkit: error: argument COMMAND: invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_on_stderr(capsys, argv, message):
+    status, out, err = run(capsys, *argv)
+    assert status == 2
+    assert out == ""
+    assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_python_dash_m_vjpkit_runs_the_check():
+    result = subprocess.run(
+        [sys.executable, "-m", "vjpkit", "check", "gc_functions:ScaledLinearFunction", "--inputs", "f64[2,2] f64[3,2]"],
+        cwd=TESTS, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Jacobian mismatch for output 0 with respect to input 1" in result.stdout

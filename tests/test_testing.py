@@ -1,0 +1,84 @@
+"""vjpkit.testing: assertion helpers for a user's pytest suite, and seeded inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gc_functions import Exp, LinearFunction, ScaledLinearFunction
+from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, random_inputs
+
+
+def wrong_second_derivative():
+    f = jax.custom_vjp(jnp.sin)
+    f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    return f
+
+
+def test_assert_gradcheck_passes_silently():
+    assert assert_gradcheck(LinearFunction.apply, random_inputs("f64[3,2] f64[4,2]")) is None
+
+
+def test_assert_gradcheck_failure_is_an_assertion_error_with_the_report():
+    with pytest.raises(AssertionError, match=r"(?s)^gradcheck failed for ScaledLinearFunction.apply:\n"
+                       r"Jacobian mismatch for output 0 with respect to input 1:.*worst:"):
+        assert_gradcheck(ScaledLinearFunction.apply, random_inputs("f64[3,2] f64[4,2]"))
+
+
+def test_assert_gradcheck_passes_options_through():
+    x, w = random_inputs("f64[3,2] f64[4,2]")
+    assert_gradcheck(ScaledLinearFunction.apply, (x, w), rtol=0.2)  # within 20%
+    with pytest.raises(AssertionError, match="Fast-mode Jacobian mismatch"):
+        assert_gradcheck(ScaledLinearFunction.apply, (x, w), fast_mode=True)
+
+
+def test_assert_gradgradcheck_passes_silently():
+    assert assert_gradgradcheck(Exp.apply, random_inputs("f64[4]")) is None
+
+
+def test_assert_gradgradcheck_failure_is_an_assertion_error_with_the_report():
+    with pytest.raises(AssertionError, match=r"(?s)^gradgradcheck failed for .*\nJacobian mismatch for the "
+                       r"gradient of input 0 with respect to input 0:"):
+        assert_gradgradcheck(wrong_second_derivative(), random_inputs("f64[4]"))
+
+
+def test_random_inputs_have_the_spec_dtypes_and_shapes():
+    arrays = random_inputs("f64[20,20] f32[3] c128[2,1] i32[4] bool[2] f64[]")
+    assert [(a.dtype, a.shape) for a in arrays] == [
+        (np.float64, (20, 20)), (np.float32, (3,)), (np.complex128, (2, 1)),
+        (np.int32, (4,)), (np.bool_, (2,)), (np.float64, ()),
+    ]
+
+
+def test_random_inputs_are_seeded():
+    a, b = random_inputs("f64[3] f64[2]", seed=5), random_inputs("f64[3] f64[2]", seed=5)
+    np.testing.assert_array_equal(a[0], b[0])
+    rng = np.random.default_rng(5)
+    np.testing.assert_array_equal(a[0], rng.standard_normal(3))
+    assert not np.array_equal(random_inputs("f64[3]", seed=6)[0], a[0])
+
+
+def test_random_inputs_allow_spaces_inside_brackets():
+    (a,) = random_inputs("f64[2, 3]")
+    assert a.shape == (2, 3)
+
+
+def test_random_inputs_integers_lie_in_zero_to_ten():
+    (a,) = random_inputs("i64[1000]")
+    assert a.min() >= 0 and a.max() < 10
+
+
+@pytest.mark.parametrize("spec", ["f64[20,x]", "f65[2]", "f64(2)", "f64[2,,3]"])
+def test_random_inputs_reject_malformed_items(spec):
+    expected = (
+        f"malformed input spec {spec!r}: expected DTYPE[d0,d1,...] such as f64[20,20] or f64[] "
+        "for a scalar, with DTYPE one of f16, f32, f64, c64, c128, i8, i16, i32, i64, u8, u32, bool"
+    )
+    with pytest.raises(ValueError) as info:
+        random_inputs(spec)
+    assert str(info.value) == expected
+
+
+def test_random_inputs_reject_empty_spec():
+    with pytest.raises(ValueError, match="empty input spec"):
+        random_inputs("  ")
