@@ -1,0 +1,55 @@
+"""Sharded `jit` over 8 devices and `jax.shard_map` give the single-device
+results (design.md, "Transformations that must work").
+
+The device count is fixed when JAX starts, and this pytest process has one
+CPU device, so `sharded_script.py` runs once in a subprocess with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8`; each test below checks
+one of its cases.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).with_name("sharded_script.py")
+
+CASES = [
+    "sharded_jit_forward",  # batch split over 8 devices, params replicated
+    "sharded_jit_grad",
+    "sharded_jit_train_step",
+    "sharded_eager_apply",  # apply's own jit on sharded inputs keeps the sharding
+    "per_example_grads_sharded",
+    "shard_map_forward",
+    "shard_map_grad",  # grad inside shard_map, psum'd loss, replicated params
+    "grad_of_shard_map",
+    "shard_map_grad_of_sharded_input",
+    "shard_map_invariant_gradient_for_sharded_input",
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+    )
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, f"sharded_script.py failed:\n{run.stdout}\n{run.stderr}"
+    return json.loads(run.stdout)
+
+
+def test_script_runs_every_case(results):
+    assert sorted(results) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_result_matches_single_device(case, results):
+    error = results[case]
+    assert error is None, f"{case}:\n{error}"
