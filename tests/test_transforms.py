@@ -240,7 +240,7 @@ def test_jit_of_vmap_of_grad():
 
 
 def test_vmap_of_hessian():
-    close(jax.vmap(jax.hessian(loss))(BATCH), jax.vmap(jax.hessian(plain_loss))(BATCH))
+    close(jax.vmap(jax.hessian(loss))(BATCH[:2]), jax.vmap(jax.hessian(plain_loss))(BATCH[:2]))
 
 
 def test_jit_of_hessian():
