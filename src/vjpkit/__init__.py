@@ -5,6 +5,7 @@ as in ``torch.autograd.Function``; vjpkit turns it into a jit-compiled
 ``jax.custom_vjp`` function that works under every JAX transformation.
 """
 
+from ._anomaly import detect_anomaly
 from ._ctx import FunctionCtx
 from ._function import CacheInfo, Function, function
 from ._gradcheck import GradcheckError, gradcheck, gradgradcheck
@@ -15,6 +16,7 @@ __all__ = [
     "Function",
     "FunctionCtx",
     "GradcheckError",
+    "detect_anomaly",
     "function",
     "gradcheck",
     "gradgradcheck",

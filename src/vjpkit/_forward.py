@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _jax_internals
+from . import _anomaly, _jax_internals
 from ._args import Layout, as_jax_leaf
 from ._ctx import FunctionCtx, _short_repr, is_array
 from ._once import call_without_derivative
@@ -80,6 +80,8 @@ class _Rule:
         try:
             out = program._run_forward(ctx, values)
             packed = pack_outputs(self.name, out)
+            if program.anomaly:
+                program.check_outputs(packed)
             marked = {id(x) for x in ctx._vjpkit_non_differentiable}
             out_arrays = [leaf for leaf in jax.tree_util.tree_leaves(out) if is_array(leaf)]
             self.differentiable = [
@@ -163,7 +165,11 @@ class _Rule:
             result = self.spec.jvp(ctx, *tangents.rebuild(tangent_leaves))
         finally:
             ctx._vjpkit_open = False
-        return self._check_jvp_outputs(result)
+        tangents_out = self._check_jvp_outputs(result)
+        if program.anomaly:
+            labelled = [(f"the tangent of output {j}", t) for j, t in zip(self.outputs, tangents_out)]
+            _anomaly.check_finite(self.name, "jvp", labelled)
+        return tangents_out
 
     def apply_backward(self, residuals: tuple, cotangents: tuple) -> list:
         """Input cotangents (perturbed inputs) from output cotangents: user's backward."""
@@ -199,6 +205,8 @@ class _Rule:
         per_leaf = check_backward_outputs(
             self.name, result, program.param_treedefs, program.names, self.in_kinds, self.needs
         )
+        if program.anomaly:
+            program.check_gradients(per_leaf)
         return [
             jnp.zeros(*self.in_avals[d]) if per_leaf[d] is None else per_leaf[d]
             for d in self.linear

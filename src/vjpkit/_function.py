@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.errors import TracerArrayConversionError
 
-from . import _host, _jax_internals
+from . import _anomaly, _host, _jax_internals
 from ._args import Layout, Signature, as_jax_leaf, split_static, static_key_of
 from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
@@ -132,9 +132,10 @@ def _kind(x: Any) -> tuple:
 class _Program:
     """The ``custom_vjp`` (and its ``jit``) for one static part of a call."""
 
-    def __init__(self, spec: _Spec, layout: Layout, n_values: int):
+    def __init__(self, spec: _Spec, layout: Layout, n_values: int, anomaly: bool = False):
         self.spec = spec
         self.layout = layout
+        self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
         self.names = spec.signature.names(n_values)
         self.param_treedefs = tuple(layout.treedef.children())
         param_of_leaf = [i for i, td in enumerate(self.param_treedefs) for _ in range(td.num_leaves)]
@@ -192,9 +193,12 @@ class _Program:
         values = self.layout.rebuild(arrays)
         ctx = FunctionCtx(self.spec.name, (False,) * self.n_params, values)
         try:
-            return pack_outputs(self.spec.name, self._run_forward(ctx, values))
+            packed = pack_outputs(self.spec.name, self._run_forward(ctx, values))
         finally:
             ctx._vjpkit_open = False
+        if self.anomaly:
+            self.check_outputs(packed)
+        return packed
 
     def _fwd(self, *primals: Any) -> tuple[Packed, _Residuals]:
         spec = self.spec
@@ -217,6 +221,8 @@ class _Program:
         try:
             out = self._run_forward(ctx, values)
             packed = pack_outputs(spec.name, out)
+            if self.anomaly:
+                self.check_outputs(packed)
             marked = {id(x) for x in ctx._vjpkit_non_differentiable}
             out_arrays = [leaf for leaf in jax.tree_util.tree_leaves(out) if is_array(leaf)]
             differentiable = tuple(
@@ -283,9 +289,23 @@ class _Program:
             result = spec.backward(ctx, *grads)
         finally:
             ctx._vjpkit_open = False
-        return check_backward_outputs(
+        grads = check_backward_outputs(
             spec.name, result, self.param_treedefs, self.names, meta.in_kinds, meta.needs
         )
+        if self.anomaly:
+            self.check_gradients(grads)
+        return grads
+
+    # -- vjpkit.detect_anomaly ----------------------------------------------
+
+    def check_outputs(self, packed: Packed) -> None:
+        labelled = [(f"output {j}", a) for j, a in enumerate(packed.arrays)]
+        _anomaly.check_finite(self.spec.name, "forward", labelled)
+
+    def check_gradients(self, grads: list, method: str = "backward") -> None:
+        """``grads``: one per array input leaf, as ``check_backward_outputs`` returns them."""
+        labels = _anomaly.input_labels(self.names, self.param_treedefs, self.layout.dynamic)
+        _anomaly.check_finite(self.spec.name, method, list(zip(labels, grads)))
 
 
 _JAX_NO_FORWARD_MODE = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
@@ -327,7 +347,7 @@ class _Cache:
         # arrays: their layout is known without flattening anything.
         self.fast: dict[int, Callable] = {}
 
-    def program(self, key: Any, layout: Layout, n_values: int) -> _Program:
+    def program(self, key: Any, layout: Layout, n_values: int, anomaly: bool = False) -> _Program:
         with self.lock:
             program = self.programs.get(key)
             if program is not None:
@@ -335,7 +355,7 @@ class _Cache:
                 self.hits += 1
                 return program
             self.misses += 1
-            program = self.programs[key] = _Program(self.spec, layout, n_values)
+            program = self.programs[key] = _Program(self.spec, layout, n_values, anomaly)
             while len(self.programs) > self.spec.cache_size:
                 self.programs.popitem(last=False)
             return program
@@ -344,7 +364,10 @@ class _Cache:
         spec = self.spec
         values = spec.signature.bind(args, kwargs)
         key, layout, arrays = split_static(values)
-        program = self.program(key, layout, len(values))
+        anomaly = _anomaly.enabled()
+        if anomaly:  # a program with NaN/Inf checks, never on the fast path
+            key = ("detect_anomaly", key)
+        program = self.program(key, layout, len(values), anomaly)
         try:
             if not spec.jit or _jax_internals.is_staging():
                 # Under an outer jit (or scan, checkpoint, ...) the custom_vjp
@@ -357,8 +380,13 @@ class _Cache:
             if str(e).startswith(_JAX_NO_FORWARD_MODE):
                 raise _no_forward_mode(spec) from None
             raise
+        except Exception as e:
+            if anomaly:  # a failed check, wrapped by JAX in JaxRuntimeError
+                _anomaly.reraise_anomaly(e)
+            raise
         if (
-            not kwargs
+            not anomaly
+            and not kwargs
             and len(values) == len(args)
             and all(type(a) is _ArrayImpl for a in args)
         ):
@@ -373,9 +401,10 @@ class _Cache:
 def _make_apply(cache: _Cache) -> Callable:
     fast = cache.fast
     slow = cache.call
+    anomaly = _anomaly.ACTIVE  # [number of open detect_anomaly blocks]
 
     def apply(*args: Any, **kwargs: Any) -> Any:
-        if not kwargs:
+        if not kwargs and not anomaly[0]:
             run = fast.get(len(args))
             if run is not None:
                 for a in args:

@@ -260,3 +260,22 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
 _ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
 _ad.primitive_transposes[_linear_call_p] = _linear_call_transpose
 _batching.fancy_primitive_batchers[_linear_call_p] = _linear_call_batch
+
+
+# ---------------------------------------------------------------------------
+# A thread-local mode that is part of JAX's compile-cache keys.
+
+
+def thread_local_flag(name: str) -> Any:
+    """A boolean JAX configuration state: ``.value``, ``.swap_local(v)``, ``.set_local(prev)``.
+
+    Why: ``vjpkit.detect_anomaly`` changes what vjpkit traces, so a program
+    that ``jax.jit`` traced without it must not be reused with it (nor the
+    reverse). JAX puts such states in its dispatch and trace cache keys, and
+    keeps their local values per thread. Relies on ``jaxlib``'s
+    ``config_ext.Config`` with ``include_in_jit_key`` and
+    ``include_in_trace_context``, as ``jax._src.config`` builds its own.
+    """
+    return _config.config_ext.Config(
+        name, False, include_in_jit_key=True, include_in_trace_context=True
+    )

@@ -1,0 +1,228 @@
+"""Anomaly detection: ``vjpkit.detect_anomaly()``, as ``torch.autograd.detect_anomaly``.
+
+Usage::
+
+    with vjpkit.detect_anomaly():
+        grads = jax.grad(loss)(params)   # or a jitted train step
+    # FloatingPointError: Exp.backward returned nan in gradient 0 (input 'x'):
+    # 1 of 3 elements (the first at index (1,)). ...
+
+Inside the block, every vjpkit Function checks what its own methods produce
+(forward's outputs, backward's gradients, jvp's tangents) for NaN and Inf,
+and the first bad value raises ``FloatingPointError`` naming the class, the
+method and the position. JAX's ``jax_debug_nans`` cannot do this: it sees
+primitives, not the user's class.
+
+The key differences to ``torch.autograd.detect_anomaly`` are:
+
+- The checks are traced into the program (``jax.debug.callback`` on three
+  scalars per array), so they work under ``jax.jit``, ``vmap``, ``scan``
+  and every other transformation. Under ``jax.jit`` JAX reports a failed
+  callback as ``JaxRuntimeError`` (with vjpkit's message at the end of its
+  text); leaving the ``with`` block turns it back into ``FloatingPointError``.
+- The mode is thread-local and part of JAX's compile-cache key: a function
+  that ``jax.jit`` compiled outside the block is traced again inside it (with
+  the checks), and the program compiled outside is reused after it.
+- Off, it costs nothing: vjpkit traces exactly the program it traces without
+  this module (``tests/test_anomaly.py`` compares the HLO).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _jax_internals
+
+__all__ = ["detect_anomaly", "enabled", "check_finite", "input_labels", "AnomalyError"]
+
+# Thread-local, and in JAX's jit and trace cache keys (see _jax_internals).
+FLAG = _jax_internals.thread_local_flag("vjpkit_detect_anomaly")
+
+# How many detect_anomaly blocks are open, in all threads: apply's fast path
+# reads this one list item (cheaper than FLAG.value) and, while it is not 0,
+# leaves the call to the slow path, which reads FLAG.
+ACTIVE = [0]
+_ACTIVE_LOCK = threading.Lock()
+
+
+class AnomalyError(FloatingPointError):
+    """A vjpkit Function produced NaN or Inf while ``detect_anomaly`` was on."""
+
+
+def enabled() -> bool:
+    """Whether this thread is inside ``detect_anomaly``."""
+    return FLAG.value is True
+
+
+@contextlib.contextmanager
+def detect_anomaly() -> Iterator[None]:
+    """Checks every vjpkit Function's outputs, gradients and tangents for NaN/Inf.
+
+    Usage::
+
+        with vjpkit.detect_anomaly():
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+
+    The first NaN or Inf that a Function's ``forward``, ``backward`` or
+    ``jvp`` returns raises ``FloatingPointError``, e.g.
+    ``Exp.backward returned nan in gradient 0 (input 'x'): ...``, also when the
+    Function runs inside ``jax.jit``. Use it to find the Function that
+    produced a NaN, then switch it off: the checks copy three scalars per
+    array to the host on every call.
+
+    Also a decorator (``@vjpkit.detect_anomaly()``). The mode is
+    thread-local; code that ``jax.jit`` compiled outside the block is traced
+    again inside it, so that its Functions are checked.
+    """
+    _quiet_jax_callback_log()
+    with _ACTIVE_LOCK:
+        ACTIVE[0] += 1
+    previous = FLAG.swap_local(True)
+    try:
+        yield
+    except Exception as e:
+        message = reported_in(e)
+        if message is None:
+            raise
+        # Under jax.jit, JAX wraps the callback's error in JaxRuntimeError.
+        raise AnomalyError(message) from None
+    finally:
+        FLAG.set_local(previous)
+        with _ACTIVE_LOCK:
+            ACTIVE[0] -= 1
+
+
+# ---------------------------------------------------------------------------
+# The checks, traced into the program.
+
+
+def input_labels(names: Sequence[str], param_treedefs: Sequence[Any], dynamic: Sequence[int]) -> list[str]:
+    """"gradient i (input 'name')" for each array leaf, in the order backward's checked gradients come."""
+    param_of_leaf, leaf_in_param = [], []
+    for i, treedef in enumerate(param_treedefs):
+        for j in range(treedef.num_leaves):
+            param_of_leaf.append(i)
+            leaf_in_param.append(j)
+    labels = []
+    for k in dynamic:
+        i = param_of_leaf[k]
+        at = f" at leaf {leaf_in_param[k]}" if param_treedefs[i].num_leaves > 1 else ""
+        labels.append(f"gradient {i} (input {names[i]!r}{at})")
+    return labels
+
+
+def check_finite(owner: str, method: str, labelled: Sequence[tuple[str, Any]]) -> None:
+    """Traces a check that each array is finite; raises AnomalyError when one is not.
+
+    ``labelled`` holds ``(where, array_or_None)`` pairs; ``None``, integer
+    and empty arrays are skipped. Each array is reduced on the device to its
+    NaN count, Inf count and first bad index, and one ``jax.debug.callback``
+    per call compares them on the host (a callback has effects, so neither
+    jit nor DCE drops it).
+    """
+    wheres, stats = [], []
+    for where, x in labelled:
+        if x is None or not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
+            continue
+        finite = jnp.isfinite(x)
+        wheres.append((where, tuple(x.shape)))
+        stats.append((
+            jnp.sum(jnp.isnan(x), dtype=jnp.int32),
+            jnp.sum(jnp.isinf(x), dtype=jnp.int32),
+            jnp.argmin(finite.ravel()).astype(jnp.int32),
+        ))
+    if stats:
+        jax.debug.callback(_Report(owner, method, tuple(wheres)), stats)
+
+
+class _Report:
+    """The host side of ``check_finite``: raises on the first bad array."""
+
+    def __init__(self, owner: str, method: str, wheres: tuple):
+        self.owner, self.method, self.wheres = owner, method, wheres
+
+    def __call__(self, stats: Sequence[tuple]) -> None:
+        for (where, shape), (n_nan, n_inf, first) in zip(self.wheres, stats):
+            n_nan, n_inf = int(n_nan), int(n_inf)
+            if n_nan or n_inf:
+                message = anomaly_message(self.owner, self.method, where, shape, n_nan, n_inf, int(first))
+                _remember(message)
+                raise AnomalyError(message)
+
+
+def anomaly_message(owner: str, method: str, where: str, shape: tuple, n_nan: int, n_inf: int, first: int) -> str:
+    kind = "nan" if n_nan else "inf"
+    size = int(np.prod(shape))
+    index = tuple(int(i) for i in np.unravel_index(first, shape)) if shape else ()
+    counts = " and ".join(
+        f"{n} {k}" for n, k in ((n_nan, "nan"), (n_inf, "inf")) if n
+    )
+    cause = {
+        "forward": f"look for a log, sqrt, division or overflow in {owner}.forward, or NaN/Inf already in its inputs",
+        "backward": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.backward, or NaN/Inf in the incoming gradient",
+        "jvp": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.jvp, or NaN/Inf in the incoming tangents",
+    }.get(method, f"look at {owner}.{method}")
+    return (
+        f"{owner}.{method} returned {kind} in {where}: {counts} of {size} "
+        f"element{'s' if size != 1 else ''} (the first at index {index}). "
+        f"Found by vjpkit.detect_anomaly; {cause}."
+    )
+
+
+# ---------------------------------------------------------------------------
+# Getting the message back to the caller.
+
+# Messages raised by callbacks, newest last. Callbacks run on XLA's threads,
+# so this is process-wide; a short history is enough to recognize a message
+# inside the JaxRuntimeError that reaches the caller.
+_REPORTED: collections.deque = collections.deque(maxlen=32)
+_REPORTED_LOCK = threading.Lock()
+
+
+def _remember(message: str) -> None:
+    with _REPORTED_LOCK:
+        _REPORTED.append(message)
+
+
+def reported_in(error: BaseException) -> str | None:
+    """The anomaly message inside a JAX error raised by a failed check, if any."""
+    if isinstance(error, AnomalyError):
+        return None  # already the right error (eager execution raises it directly)
+    text = str(error)
+    with _REPORTED_LOCK:
+        messages = list(_REPORTED)
+    for message in reversed(messages):
+        if message in text:
+            return message
+    return None
+
+
+def reraise_anomaly(error: BaseException) -> None:
+    """Raises ``AnomalyError`` if ``error`` wraps one; returns otherwise."""
+    message = reported_in(error)
+    if message is not None:
+        raise AnomalyError(message) from None
+
+
+class _DropAnomalyLogs(logging.Filter):
+    """JAX logs every failing debug callback with a traceback; ours are raised anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], AnomalyError))
+
+
+_LOG_FILTER = _DropAnomalyLogs()
+
+
+def _quiet_jax_callback_log() -> None:
+    logger = logging.getLogger("jax._src.debugging")
+    if _LOG_FILTER not in logger.filters:
+        logger.addFilter(_LOG_FILTER)

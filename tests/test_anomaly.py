@@ -1,0 +1,349 @@
+"""``vjpkit.detect_anomaly()``: every vjpkit Function checks its forward
+outputs, backward gradients and jvp tangents for NaN/Inf, under jit too, and
+the error names the class, the method and the position. Off, it costs
+nothing: the compiled program is the one traced without it.
+"""
+
+import re
+import threading
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpkit
+from vjpkit import detect_anomaly
+
+X = jnp.array([0.5, 2.0, 4.0])
+NEAR_ONE = jnp.array([0.5, 1.0, 4.0])  # Exp's wrong backward gives nan at 0.5
+
+
+class Exp(vjpkit.Function):
+    """exp, with a backward that is wrong (nan) below 1."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = jnp.exp(x)
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * y * jnp.sqrt(x - 0.75) / jnp.sqrt(x - 0.75)
+
+
+class Log(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return jnp.log(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g / x
+
+
+class Div(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x, y, scale=1.0):
+        ctx.save_for_backward(x, y)
+        return scale * x / y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g / y, -g * x / (y * y), None
+
+
+class Sqrt(vjpkit.Function):
+    """Forward mode only: the tangent is inf at 0."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = jnp.sqrt(x)
+        ctx.save_for_forward(y)
+        return y
+
+    @staticmethod
+    def jvp(ctx, t):
+        (y,) = ctx.saved_tensors
+        return t / (2 * y)
+
+
+def exp_loss(x):
+    return Exp.apply(x).sum()
+
+
+EXP_NAN = re.escape("Exp.backward returned nan in gradient 0 (input 'x'): 1 nan of 3 elements (the first at index (0,))")
+
+
+def test_off_by_default_nan_passes_through():
+    grad = jax.grad(exp_loss)(NEAR_ONE)
+    assert np.isnan(grad[0]) and np.isfinite(grad[1:]).all()
+
+
+def test_nan_in_backward_names_class_method_and_input():
+    with pytest.raises(FloatingPointError, match=EXP_NAN):
+        with detect_anomaly():
+            jax.grad(exp_loss)(NEAR_ONE)
+
+
+def test_finite_results_are_unchanged():
+    with detect_anomaly():
+        value, grad = jax.value_and_grad(lambda x: Log.apply(x).sum())(X)
+    chex.assert_trees_all_close((value, grad), (jnp.log(X).sum(), 1 / X))
+
+
+def test_nan_in_backward_under_jit_reaches_the_caller():
+    step = jax.jit(jax.grad(exp_loss))
+    with pytest.raises(FloatingPointError, match=EXP_NAN):
+        with detect_anomaly():
+            step(NEAR_ONE)
+
+
+def test_inside_the_block_jit_errors_carry_the_message():
+    # JAX wraps a failed callback in JaxRuntimeError; the message is in its text.
+    step = jax.jit(jax.grad(exp_loss))
+    with detect_anomaly():
+        with pytest.raises(Exception, match=EXP_NAN):
+            step(NEAR_ONE)
+
+
+def test_inf_in_forward_names_the_output():
+    with pytest.raises(FloatingPointError, match=re.escape("Log.forward returned inf in output 0: 1 inf of 3 elements (the first at index (1,))")):
+        with detect_anomaly():
+            Log.apply(jnp.array([1.0, 0.0, 2.0]))
+
+
+def test_nan_in_forward_of_a_tuple_output_names_its_position():
+    class Pair(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2, jnp.log(x)
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            return 2 * g1
+
+    with pytest.raises(FloatingPointError, match=r"Pair\.forward returned nan in output 1: 1 nan of 3 elements"):
+        with detect_anomaly():
+            Pair.apply(jnp.array([1.0, -1.0, 2.0]))
+
+
+def test_inf_in_the_second_gradient_names_that_input():
+    x, y = jnp.array([1.0, 2.0]), jnp.array([1.0, 1e-30])  # y * y underflows to 0 in float32
+    loss = lambda y: Div.apply(x, y, 3.0).sum()  # noqa: E731
+    with pytest.raises(FloatingPointError, match=re.escape("Div.backward returned inf in gradient 1 (input 'y'): 1 inf of 2 elements (the first at index (1,))")):
+        with detect_anomaly():
+            jax.grad(loss)(y)
+
+
+def test_nan_in_a_pytree_input_names_the_leaf():
+    class Scale(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, params, x):
+            ctx.save_for_backward(params["a"], params["b"], x)
+            return params["a"] * x + params["b"]
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b, x = ctx.saved_tensors
+            return {"a": g * x, "b": g * jnp.log(b)}, g * a
+
+    params = {"a": jnp.ones(2), "b": jnp.array([1.0, -1.0])}
+    with pytest.raises(FloatingPointError, match=re.escape("Scale.backward returned nan in gradient 0 (input 'params' at leaf 1)")):
+        with detect_anomaly():
+            jax.grad(lambda p: Scale.apply(p, X[:2]).sum())(params)
+
+
+def test_inf_in_jvp_names_the_tangent():
+    with pytest.raises(FloatingPointError, match=re.escape("Sqrt.jvp returned inf in the tangent of output 0: 1 inf of 2 elements (the first at index (0,))")):
+        with detect_anomaly():
+            jax.jvp(Sqrt.apply, (jnp.array([0.0, 4.0]),), (jnp.ones(2),))
+
+
+def test_jvp_only_function_still_transposes_for_reverse_mode():
+    with detect_anomaly():
+        grad = jax.grad(lambda x: Sqrt.apply(x).sum())(X)
+    chex.assert_trees_all_close(grad, 0.5 / jnp.sqrt(X))
+
+
+def test_checks_run_under_vmap_of_grad():
+    per_example = jax.vmap(jax.grad(exp_loss))
+    with detect_anomaly():
+        chex.assert_trees_all_close(per_example(X[None] + 1), jnp.exp(X[None] + 1), rtol=1e-6)
+    with pytest.raises(FloatingPointError, match=r"Exp\.backward returned nan in gradient 0 \(input 'x'\)"):
+        with detect_anomaly():
+            per_example(jnp.stack([X, NEAR_ONE]))
+
+
+def test_checks_run_inside_a_scan_body():
+    def body(carry, x):
+        return carry + Log.apply(x), None
+
+    f = jax.jit(lambda xs: jax.lax.scan(body, 0.0, xs)[0])
+    with pytest.raises(FloatingPointError, match=r"Log\.forward returned nan in output 0"):
+        with detect_anomaly():
+            f(jnp.array([1.0, 2.0, -1.0]))
+
+
+def test_once_differentiable_backward_is_checked():
+    class Clip(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        @vjpkit.once_differentiable
+        def backward(ctx, g):
+            return g * jnp.inf
+
+    with pytest.raises(FloatingPointError, match=r"Clip\.backward returned inf in gradient 0 \(input 'x'\)"):
+        with detect_anomaly():
+            jax.grad(lambda x: Clip.apply(x).sum())(X)
+
+
+def test_a_jit_compiled_before_the_block_is_traced_again_inside_it():
+    traces = []
+
+    def loss(x):
+        traces.append(None)
+        return exp_loss(x)
+
+    step = jax.jit(jax.grad(loss))
+    assert np.isnan(step(NEAR_ONE)[0])  # compiled without checks
+    with pytest.raises(FloatingPointError, match=EXP_NAN):
+        with detect_anomaly():
+            step(NEAR_ONE)
+    assert len(traces) == 2
+    assert np.isnan(step(NEAR_ONE)[0])  # the program compiled outside is reused
+    assert len(traces) == 2
+
+
+def test_the_fast_path_does_not_skip_the_checks():
+    bad = jnp.array([1.0, -1.0])
+    for _ in range(3):
+        Log.apply(bad)  # plain arrays, no kwargs: apply's fast path is filled
+    with pytest.raises(FloatingPointError, match=r"Log\.forward returned nan in output 0"):
+        with detect_anomaly():
+            Log.apply(bad)
+
+
+def test_checked_and_unchecked_programs_are_cached_apart():
+    class Square(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    Square.apply(X)
+    with detect_anomaly():
+        Square.apply(X)
+        Square.apply(X)
+    Square.apply(X)
+    info = Square.cache_info()
+    assert (info.programs, info.misses) == (2, 2)
+
+
+def test_the_mode_is_thread_local():
+    results = []
+
+    def other_thread():
+        results.append(jax.grad(exp_loss)(NEAR_ONE))  # no checks here
+
+    with pytest.raises(FloatingPointError):
+        with detect_anomaly():
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join()
+            jax.grad(exp_loss)(NEAR_ONE)
+    assert np.isnan(results[0][0])
+
+
+def test_usable_as_a_decorator():
+    @detect_anomaly()
+    def step(x):
+        return jax.grad(exp_loss)(x)
+
+    with pytest.raises(FloatingPointError, match=EXP_NAN):
+        step(NEAR_ONE)
+
+
+def test_other_errors_pass_through_unchanged():
+    with pytest.raises(ZeroDivisionError):
+        with detect_anomaly():
+            1 / 0  # noqa: B018
+
+
+# ---------------------------------------------------------------------------
+# Zero cost when off
+
+
+def _loss_text(loss, *args):
+    return jax.jit(jax.grad(loss)).lower(*args).as_text()
+
+
+def test_off_the_compiled_program_is_unchanged():
+    def loss(x):
+        return Log.apply(Exp.apply(x)).sum()
+
+    class Fresh(vjpkit.Function):  # never seen anomaly mode before this test
+        @staticmethod
+        def forward(ctx, x):
+            y = jnp.exp(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * y
+
+    def fresh_loss(x):
+        return Fresh.apply(x).sum()
+
+    fresh_before = _loss_text(fresh_loss, X)
+    before = _loss_text(loss, X)
+    with detect_anomaly():
+        during = _loss_text(loss, X)
+        fresh_during = _loss_text(fresh_loss, X)
+    assert "callback" in during and "callback" in fresh_during
+    assert "callback" not in before
+    assert _loss_text(loss, X) == before
+    assert _loss_text(fresh_loss, X) == fresh_before
+
+
+def test_off_the_optimized_program_matches_a_hand_written_custom_vjp():
+    @jax.custom_vjp
+    def exp_by_hand(x):
+        return jnp.exp(x)
+
+    exp_by_hand.defvjp(lambda x: (jnp.exp(x), jnp.exp(x)), lambda y, g: (g * y,))
+
+    class Exp2(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = jnp.exp(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * y
+
+    def ops(f):
+        hlo = jax.jit(jax.grad(lambda x: f(x).sum())).lower(X).compile().as_text()
+        # opcodes only: names and metadata differ between the two
+        return sorted(re.findall(r"= \S+ (\w+)\(", hlo))
+
+    with detect_anomaly():
+        jax.grad(lambda x: Exp2.apply(x).sum())(X)
+    assert ops(Exp2.apply) == ops(exp_by_hand)
