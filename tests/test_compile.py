@@ -126,6 +126,19 @@ def test_gradient_inside_an_outer_jit_inlines():
     chex.assert_trees_all_close(grad(X), jnp.exp(X))
 
 
+def test_closed_over_concrete_array_inside_an_outer_jit_inlines_after_eager_calls():
+    Exp = counting_exp([])
+    c = jnp.array([0.1, 0.2, 0.3])
+    Exp.apply(c)
+    Exp.apply(c)  # eager calls with all-array arguments take the fast path
+
+    outer = jax.jit(lambda y: Exp.apply(c) * y)
+    (outer_eqn,) = jax.make_jaxpr(outer)(X).jaxpr.eqns
+    names = [eqn.primitive.name for eqn in _eqns(outer_eqn.params["jaxpr"].jaxpr)]
+    assert "custom_vjp_call" in names
+    assert not {"jit", "pjit"} & set(names), names
+
+
 def test_jit_false_option_runs_forward_on_concrete_arrays(capsys):
     seen = []
 

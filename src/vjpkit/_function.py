@@ -402,11 +402,13 @@ def _make_apply(cache: _Cache) -> Callable:
     fast = cache.fast
     slow = cache.call
     anomaly = _anomaly.ACTIVE  # [number of open detect_anomaly blocks]
+    current_trace = _jax_internals.current_trace
+    EvalTrace = _jax_internals.EvalTrace
 
     def apply(*args: Any, **kwargs: Any) -> Any:
         if not kwargs and not anomaly[0]:
             run = fast.get(len(args))
-            if run is not None:
+            if run is not None and type(current_trace.value) is EvalTrace:
                 for a in args:
                     if type(a) is not _ArrayImpl:
                         break

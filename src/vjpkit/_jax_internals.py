@@ -18,10 +18,19 @@ from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 
-__all__ = ["is_staging", "called_from_forward_mode", "linear_call", "symbolic_zero_like", "varying_axes"]
+__all__ = ["current_trace", "EvalTrace", "is_staging", "called_from_forward_mode", "linear_call", "symbolic_zero_like", "varying_axes"]
 
 _DynamicJaxprTrace = _pe.DynamicJaxprTrace
 _JVP_CUSTOM_VJP_CODE = _ad.JVPTrace.process_custom_vjp_call.__code__
+
+
+# apply's fast path reads the current trace without a function call (~50 ns):
+# ``type(current_trace.value) is EvalTrace`` means no transformation is
+# tracing, so an all-concrete call may run the compiled program; under a
+# trace (even with closed-over concrete arrays) it must inline instead.
+# Relies on ``core.trace_state_strong_ref`` and ``core.EvalTrace``.
+current_trace = _core.trace_state_strong_ref
+EvalTrace = _core.EvalTrace
 
 
 def is_staging() -> bool:
