@@ -135,11 +135,18 @@ def _count_message(owner: str, got: int, names: tuple, was_list: bool) -> str:
 
 
 def _matches_structure(treedef: Any, value: Any) -> bool:
+    """Whether ``value`` has ``treedef``'s structure down to its leaves.
+
+    ``flatten_up_to`` alone accepts any value at a leaf position (a tuple
+    "matches" a single array), so each part must also be a leaf or None.
+    """
     try:
-        treedef.flatten_up_to(value)
+        parts = treedef.flatten_up_to(value)
     except (ValueError, TypeError):
         return False
-    return True
+    return all(
+        p is None or jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(p)) for p in parts
+    )
 
 
 def check_backward_outputs(
@@ -161,14 +168,8 @@ def check_backward_outputs(
     was_list = isinstance(result, list)
     if not isinstance(result, tuple):
         result = (result,)
-    elif (
-        n == 1
-        and len(result) != 1
-        and not jax.tree_util.treedef_is_leaf(param_treedefs[0])
-        and _matches_structure(param_treedefs[0], result)
-    ):
+    elif n == 1 and _matches_structure(param_treedefs[0], result):
         # One parameter whose value is itself a tuple: this is its gradient.
-        # (A single array leaf "matches" any structure, so it must not count.)
         result = (result,)
     if len(result) > n and all(g is None for g in result[n:]):
         result = result[:n]
