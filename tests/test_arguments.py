@@ -527,3 +527,18 @@ def test_real_gradient_for_a_complex_input_is_cast():
     (gz,) = vjp(jnp.ones(2, jnp.complex64))
     assert gz.dtype == jnp.complex64
     chex.assert_trees_all_close(gz, jnp.full(2, 2.0 + 0j, jnp.complex64))
+
+
+def test_one_parameter_whose_value_is_a_one_element_tuple_gets_its_gradient():
+    class Scale(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, single):
+            (a,) = single
+            return a * 3
+
+        @staticmethod
+        def backward(ctx, g):
+            return (g * 3,)  # matches the parameter's structure: its gradient
+
+    (ga,) = jax.grad(lambda p: Scale.apply(p).sum())((X,))
+    chex.assert_trees_all_close(ga, jnp.full(3, 3.0))
