@@ -428,39 +428,30 @@ class _Port(NamedTuple):
 
 
 # ---------------------------------------------------------------------------
-# Cheap deterministic "random" vectors, built inside the program: a Weyl
-# sequence needs no PRNG ops, so it adds almost nothing to compile time.
+# Building blocks of the checking program (all run while it is traced).
 
 
-def _probe(shape: tuple, salt: int, signed: bool = True) -> jax.Array:
-    n = int(np.prod(shape, dtype=np.int64))
-    golden = 0.6180339887498949
-    u = (jnp.arange(1, n + 1, dtype=jnp.float64) * golden + salt * 0.7548776662466927) % 1.0
-    u = 2.0 * u - 1.0 if signed else 0.25 + 0.75 * u
-    return u.reshape(shape)
+def _size(a: Any) -> int:
+    return int(np.prod(a.shape, dtype=np.int64))
+
+
+def _rows(a: jax.Array) -> jax.Array:
+    """A batch of arrays as a matrix, one row per batch member (zero-size safe)."""
+    return a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))
+
+
+def _replace(x: tuple, k: int, value: Any) -> tuple:
+    return x[:k] + (value,) + x[k + 1 :]
 
 
 def _one_hot(i: jax.Array, shape: tuple) -> jax.Array:
-    n = int(np.prod(shape, dtype=np.int64))
-    return (jnp.arange(n) == i).astype(jnp.float64).reshape(shape)
+    return (jnp.arange(int(np.prod(shape, dtype=np.int64))) == i).astype(jnp.float64).reshape(shape)
 
 
-def _batched(f: Callable, xs: Any, n: int, per_item: int, notes: _Notes, where: str) -> Any:
-    """``vmap(f)(xs)``, chunked when large, a sequential loop when ``f`` cannot be vmapped."""
-    batch = max(1, _BATCH_ELEMENTS // max(1, per_item))
-    try:
-        return jax.vmap(f)(xs) if n <= batch else lax.map(f, xs, batch_size=batch)
-    except Exception as vmap_error:  # e.g. a pure_callback without vmap_method
-        try:
-            out = lax.map(f, xs)
-        except Exception as loop_error:
-            raise loop_error from vmap_error
-        notes.sequential.append((where, vmap_error))
-        return out
-
-
-# ---------------------------------------------------------------------------
-# The compiled program.
+def _probe(shape: tuple, salt: int) -> jax.Array:
+    """Deterministic dense values in [-1, 1): a Weyl sequence, so no PRNG ops to compile."""
+    i = jnp.arange(1, int(np.prod(shape, dtype=np.int64)) + 1, dtype=jnp.float64)
+    return (2.0 * ((i * 0.6180339887498949 + salt * 0.7548776662466927) % 1.0) - 1.0).reshape(shape)
 
 
 class _Notes:
@@ -478,10 +469,25 @@ class _Notes:
         self.sequential: list[tuple[str, BaseException]] = []
 
 
+def _batched(f: Callable, xs: Any, n: int, per_item: int, notes: _Notes, where: str) -> Any:
+    """``vmap(f)(xs)``, chunked when large, a sequential loop when ``f`` cannot be vmapped."""
+    batch = max(1, _BATCH_ELEMENTS // max(1, per_item))
+    try:
+        return jax.vmap(f)(xs) if n <= batch else lax.map(f, xs, batch_size=batch)
+    except Exception as vmap_error:  # e.g. a pure_callback without vmap_method
+        try:
+            out = lax.map(f, xs)
+        except Exception as loop_error:
+            raise loop_error from vmap_error
+        notes.sequential.append((where, vmap_error))
+        return out
+
+
 def _evaluator(fn: Callable, partition: _Partition, inputs: list[_Port], notes: _Notes) -> Callable:
     """``fn`` as a function of the real views of the perturbed leaves.
 
-    Returns the real views (float64) of fn's differentiable output leaves.
+    Returns the real views (float64) of fn's differentiable output leaves,
+    and records which leaves those are in ``notes.outputs``.
     """
 
     def evaluate(x: tuple, fixed: tuple) -> tuple:
@@ -500,21 +506,11 @@ def _evaluator(fn: Callable, partition: _Partition, inputs: list[_Port], notes: 
     return evaluate
 
 
-def _replace(x: tuple, k: int, value: jax.Array) -> tuple:
-    return x[:k] + (value,) + x[k + 1 :]
+def _central_differences(f: Callable, x: tuple, k: int, eps: Any, per_item: int, notes: _Notes) -> list:
+    """Numerical Jacobian columns for input ``k``: one (n_k, m_j) block per output j.
 
-
-def _size(a: jax.Array) -> int:
-    return int(np.prod(a.shape, dtype=np.int64))
-
-
-def _rows(a: jax.Array) -> jax.Array:
-    """A batch of arrays as a matrix, one row per batch member (zero-size safe)."""
-    return a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))
-
-
-def _central_differences(f: Callable, x: tuple, k: int, eps: Any, n_total: int, notes: _Notes) -> list:
-    """Numerical Jacobian columns for input ``k``: one (n_k, m_j) block per output j."""
+    All ``2 n_k`` perturbed inputs go through one ``vmap`` of ``f``.
+    """
     xk = x[k]
     n = _size(xk)
     index = jnp.concatenate([jnp.arange(n), jnp.arange(n)])
@@ -524,204 +520,71 @@ def _central_differences(f: Callable, x: tuple, k: int, eps: Any, n_total: int, 
         i, h = index_and_step
         return f(_replace(x, k, xk + h * _one_hot(i, xk.shape)))
 
-    ys = _batched(perturbed, (index, step), 2 * n, n_total, notes, "fn")
+    ys = _batched(perturbed, (index, step), 2 * n, per_item, notes, "fn")
     return [_rows((y[:n] - y[n:]) / (2 * eps)) for y in ys]
 
 
-def _vjp_rows(pullback: Callable, ys: tuple, j: int, n_total: int, notes: _Notes) -> tuple:
-    """Analytical Jacobian rows for output ``j``: one (m_j, n_k) block per input k."""
+def _vjp_rows(pullback: Callable, ys: tuple, j: int, per_item: int, notes: _Notes) -> tuple:
+    """Analytical Jacobian rows for output ``j``: one (m_j, n_k) block per input k.
+
+    All ``m_j`` one-hot cotangents go through one ``vmap`` of the VJP; the
+    other outputs' cotangents are explicit zeros (unbatched, so free).
+    """
     m = _size(ys[j])
-    zeros = [jnp.zeros_like(y) for y in ys]
+    zeros = tuple(jnp.zeros_like(y) for y in ys)
 
     def row(i: jax.Array) -> tuple:
-        (g,) = pullback(tuple(_replace(tuple(zeros), j, _one_hot(i, ys[j].shape))))
+        (g,) = pullback(_replace(zeros, j, _one_hot(i, ys[j].shape)))
         return tuple(gk.reshape(-1) for gk in g)
 
-    return _batched(row, jnp.arange(m), m, n_total, notes, "the VJP")
+    return _batched(row, jnp.arange(m), m, per_item, notes, "the VJP")
 
 
-def _jvp_columns(f: Callable, x: tuple, k: int, n_total: int, notes: _Notes) -> list:
+def _jvp_columns(f: Callable, x: tuple, k: int, per_item: int, notes: _Notes) -> list:
     """Forward-mode Jacobian columns for input ``k``: one (n_k, m_j) block per output j."""
     n = _size(x[k])
     zeros = tuple(jnp.zeros_like(v) for v in x)
 
     def column(i: jax.Array) -> tuple:
-        _, t = jax.jvp(f, (x,), (_replace(zeros, k, _one_hot(i, x[k].shape)),))
-        return t
+        return jax.jvp(f, (x,), (_replace(zeros, k, _one_hot(i, x[k].shape)),))[1]
 
-    ts = _batched(column, jnp.arange(n), n, n_total, notes, "the JVP")
-    return [_rows(t) for t in ts]
+    return [_rows(t) for t in _batched(column, jnp.arange(n), n, per_item, notes, "the JVP")]
 
 
 def _mismatch_row(a: jax.Array, n: jax.Array, atol: Any, rtol: Any, detail: bool = True) -> jax.Array:
-    """One summary row: [failed, max |a - n|, elements failing, n, a].
+    """One summary row: [failed, max |a - n|, elements failing].
 
     ``failed`` is positive exactly where ``allclose(a, n, rtol, atol)``
     fails (NaN counts as a failure). Full Jacobian blocks are large, so for
-    them (``detail=False``) that is the one fused reduction computed; the
-    report variant of the program recomputes the details. ``n`` and ``a``
-    are filled in for scalars (fast mode's projections).
+    them (``detail=False``) that one fused reduction is all the program
+    computes; a failure reruns the report variant, which returns the blocks.
     """
     diff = jnp.abs(a - n)
     ok = diff <= atol + rtol * jnp.abs(n)
     failed = jnp.max(jnp.where(ok, -1.0, jnp.where(jnp.isnan(diff), jnp.inf, diff)), initial=-1.0)
-    nan = jnp.float64(jnp.nan)
     if not detail:
-        return jnp.stack([failed, nan, nan, nan, nan])
+        return jnp.stack([failed, jnp.nan, jnp.nan])
     worst = jnp.max(jnp.where(jnp.isnan(diff), jnp.inf, diff), initial=0.0)
-    count = jnp.sum(~ok).astype(jnp.float64)
-    if a.size == 1:
-        return jnp.stack([failed, worst, count, n.reshape(()), a.reshape(())])
-    return jnp.stack([failed, worst, count, nan, nan])
+    return jnp.stack([failed, worst, jnp.sum(~ok).astype(jnp.float64)])
 
 
-def _build_program(fn: Callable, partition: _Partition, inputs: list[_Port], options: _Options,
-                   notes: _Notes, report: bool) -> Callable:
-    """The jitted check: one XLA program computing both Jacobians and comparing them.
-
-    Returns ``(summary, analytical, blocks)``: ``summary`` has one row per
-    entry of ``notes.rows`` (see ``_mismatch_row``); ``analytical`` is what
-    a rerun must reproduce (the nondet_tol check); ``blocks`` holds the full
-    Jacobians for the report (only when ``report``).
-    """
-    evaluate = _evaluator(fn, partition, inputs, notes)
-    body = _fast_body if options.fast_mode else _slow_body
-
-    def program(x_in: tuple, fixed: tuple, eps: Any, atol: Any, rtol: Any) -> tuple:
-        notes.reset()
-        x = tuple(_real_view(jnp.asarray(v)) for v in x_in)
-        f = lambda xs: evaluate(xs, fixed)  # noqa: E731
-        summary, analytical, blocks = body(f, x, options, notes, eps, atol, rtol, report)
-        rows = jnp.stack(summary) if summary else jnp.zeros((0, 5))
-        return rows, analytical, blocks
-
-    return jax.jit(program)
-
-
-def _slow_body(f, x, options, notes, eps, atol, rtol, report):
-    summary: list = []
-    row = lambda check, j, k, a, n, detail=True: (notes.rows.append((check, j, k)),  # noqa: E731
-                                                  summary.append(_mismatch_row(a, n, atol, rtol, detail)))
-    if options.check_backward_ad:
-        ys, pullback = jax.vjp(f, x)
-    else:
-        ys = f(x)
-    n_total = sum(_size(v) for v in x) + sum(_size(y) for y in ys)
-    numerical = [_central_differences(f, x, k, eps, n_total, notes) for k in range(len(x))]
-    analytical: list = []
-    blocks: dict = {"numerical": numerical} if report else {}
-    if options.check_backward_ad:
-        analytical = [_vjp_rows(pullback, ys, j, n_total, notes) for j in range(len(ys))]
-        for j in range(len(ys)):
-            for k in range(len(x)):
-                row("backward", j, k, analytical[j][k].T, numerical[k][j], False)
-        if options.check_undefined_grad and len(ys) > 1:
-            _undefined_backward(f, x, ys, pullback, row, notes)
-        if options.check_batched_grad:
-            _batched_backward(ys, pullback, row, notes)
-        if report:
-            blocks["analytical"] = [[analytical[j][k].T for j in range(len(ys))] for k in range(len(x))]
-    if options.check_forward_ad:
-        forward = [_jvp_columns(f, x, k, n_total, notes) for k in range(len(x))]
-        for k in range(len(x)):
-            for j in range(len(ys)):
-                row("forward", j, k, forward[k][j], numerical[k][j], False)
-        if options.check_undefined_grad and len(x) > 1:
-            _undefined_forward(f, x, row, notes)
-        if report:
-            blocks["forward"] = forward
-    return summary, analytical, blocks
-
-
-def _fast_body(f, x, options, notes, eps, atol, rtol, report):
-    """PyTorch's fast mode: v^T J u, with atol scaled by sum(u) * sum(v) to match."""
-    summary: list = []
-    row = lambda check, j, k, a, n, tol=atol: (notes.rows.append((check, j, k)),  # noqa: E731
-                                               summary.append(_mismatch_row(a, n, tol, rtol)))
-    if options.check_backward_ad:
-        ys, pullback = jax.vjp(f, x)
-    else:
-        ys = f(x)
-    us = [_unit(_probe(v.shape, salt=k, signed=False)) for k, v in enumerate(x)]
-    vs = [_unit(_probe(y.shape, salt=101 + j, signed=False)) for j, y in enumerate(ys)]
-    n_total = sum(_size(v) for v in x) + sum(_size(y) for y in ys)
-    numerical_ju = []  # [k][j]: J_jk u_k, numerically
-    for k, (xk, u) in enumerate(zip(x, us)):
-        step = jnp.stack([eps, -eps])
-        out = _batched(lambda h: f(_replace(x, k, xk + h * u)), step, 2, n_total, notes, "fn")
-        numerical_ju.append([(y[0] - y[1]) / (2 * eps) for y in out])
-    analytical: list = []
-    if options.check_backward_ad:
-        zeros = tuple(jnp.zeros_like(y) for y in ys)
-        for j, v in enumerate(vs):
-            (g,) = pullback(_replace(zeros, j, v))
-            analytical.append(g)
-            for k, u in enumerate(us):
-                a = jnp.vdot(g[k], u)
-                n = jnp.vdot(vs[j], numerical_ju[k][j])
-                row("backward", j, k, a, n, atol * jnp.sum(u) * jnp.sum(v))
-        if options.check_undefined_grad and len(ys) > 1:
-            _undefined_backward(f, x, ys, pullback, row, notes)
-        if options.check_batched_grad:
-            _batched_backward(ys, pullback, row, notes)
-    if options.check_forward_ad:
-        zeros_x = tuple(jnp.zeros_like(v) for v in x)
-        forward_ju = [jax.jvp(f, (x,), (_replace(zeros_x, k, u),))[1] for k, u in enumerate(us)]
-        for k, u in enumerate(us):
-            for j in range(len(ys)):
-                row("forward", j, k, forward_ju[k][j], numerical_ju[k][j], atol * jnp.sum(u))
-        if options.check_undefined_grad and len(x) > 1:
-            _undefined_forward(f, x, row, notes)
-    return summary, analytical, {}
-
-
-def _unit(u: jax.Array) -> jax.Array:
-    return u / jnp.sqrt(jnp.sum(u * u))
-
-
-def _missing_forward_mode(evaluate: Callable, inputs: list[_Port], fixed: list) -> BaseException | None:
-    """The error ``jax.jvp`` of ``fn`` raises when fn has no forward mode, else None.
-
-    A vjpkit Function without ``jvp`` raises while tracing; a plain
-    ``jax.custom_vjp`` only when the JVP is lowered, so this lowers a probe
-    (no compilation) before forward mode goes into the checking program.
-    """
-    x = tuple(
-        jax.ShapeDtypeStruct(p.shape + ((2,) if p.is_complex else ()), jnp.float64) for p in inputs
-    )
-
-    def probe(x: tuple, fixed: tuple) -> Any:
-        return jax.jvp(lambda xs: evaluate(xs, fixed), (x,), (x,))
-
-    try:
-        jax.jit(probe).lower(x, tuple(fixed))
-    except TypeError as e:
-        # JAX: "can't apply forward-mode autodiff (jvp) to a custom_vjp function";
-        # vjpkit: "<Name> has no forward-mode derivative ...: it defines backward but no jvp".
-        if "forward-mode" not in str(e):
-            raise
-        return e
-    return None
-
-
-def _undefined_backward(f, x, ys, pullback, row, notes) -> None:
-    """Each output alone: the others' cotangents are symbolic zeros (undefined)."""
+def _undefined_backward(f, x, ys, pullback, add_row, notes) -> None:
+    """Each output used alone: the others' cotangents are symbolic zeros (undefined)."""
     zeros = tuple(jnp.zeros_like(y) for y in ys)
     for j, y in enumerate(ys):
         c = _probe(y.shape, salt=7 + j)
         try:
-            _, pullback_j = jax.vjp(lambda xs, j=j: f(xs)[j], x)
-            (got,) = pullback_j(c)
-        except Exception as e:
+            (got,) = jax.vjp(lambda xs, j=j: f(xs)[j], x)[1](c)
+        except Exception as e:  # e.g. backward computing None * g
             notes.undefined_errors[("backward", j)] = e
             continue
         (expected,) = pullback(_replace(zeros, j, c))
         for k in range(len(x)):
-            row("undefined_backward", j, k, got[k], expected[k])
+            add_row("undefined_backward", j, k, got[k], expected[k])
 
 
-def _undefined_forward(f, x, row, notes) -> None:
-    """Each input alone: the others' tangents are symbolic zeros (undefined)."""
+def _undefined_forward(f, x, add_row, notes) -> None:
+    """Each input differentiated alone: the others' tangents are symbolic zeros (undefined)."""
     zeros = tuple(jnp.zeros_like(v) for v in x)
     for k, xk in enumerate(x):
         t = _probe(xk.shape, salt=13 + k)
@@ -732,11 +595,11 @@ def _undefined_forward(f, x, row, notes) -> None:
             continue
         _, expected = jax.jvp(f, (x,), (_replace(zeros, k, t),))
         for j in range(len(got)):
-            row("undefined_forward", j, k, got[j], expected[j])
+            add_row("undefined_forward", j, k, got[j], expected[j])
 
 
-def _batched_backward(ys, pullback, row, notes) -> None:
-    """vmap of the VJP over a few output cotangents, against a Python loop."""
+def _batched_backward(ys, pullback, add_row, notes) -> None:
+    """vmap of the VJP over a few output cotangents, against a Python loop over them."""
     zeros = tuple(jnp.zeros_like(y) for y in ys)
     for j, y in enumerate(ys):
         cs = jnp.stack([_probe(y.shape, salt=31 + 3 * j + b) for b in range(_BATCHED_GRAD_SAMPLES)])
@@ -746,13 +609,140 @@ def _batched_backward(ys, pullback, row, notes) -> None:
         except Exception as e:
             notes.batched_errors[j] = e
             continue
-        looped = [vjp_j(cs[b]) for b in range(_BATCHED_GRAD_SAMPLES)]
+        looped = [vjp_j(c) for c in cs]
         for k in range(len(batched)):
-            row("batched", j, k, batched[k], jnp.stack([g[k] for g in looped]))
+            add_row("batched", j, k, batched[k], jnp.stack([g[k] for g in looped]))
 
 
 # ---------------------------------------------------------------------------
-# Compiled checkers, cached per (function, input signature, options).
+# The checking program: one jitted XLA program per checker (plus, on failure,
+# a report variant). Few, small programs keep the first call fast.
+
+
+class _Output(NamedTuple):
+    """What one run of a checking program returns (device arrays)."""
+
+    summary: jax.Array  # one row per notes.rows entry, see _mismatch_row
+    analytical: Any  # what a rerun must reproduce exactly (the nondet_tol check)
+    blocks: dict  # slow report: full Jacobians; fast mode: directional derivatives
+
+
+def _build_program(evaluate: Callable, options: _Options, notes: _Notes, report: bool) -> Callable:
+    body = _fast_body if options.fast_mode else _slow_body
+
+    def program(x_in: tuple, fixed: tuple, eps: Any, atol: Any, rtol: Any, directions: tuple) -> _Output:
+        notes.reset()
+        x = tuple(_real_view(jnp.asarray(v)) for v in x_in)
+        f = lambda xs: evaluate(xs, fixed)  # noqa: E731
+        rows: list = []
+
+        def add_row(check: str, j: int, k: int, a: jax.Array, n: jax.Array, detail: bool = True) -> None:
+            notes.rows.append((check, j, k))
+            rows.append(_mismatch_row(a, n, atol, rtol, detail))
+
+        if options.check_backward_ad:
+            ys, pullback = jax.vjp(f, x)
+        else:
+            ys, pullback = f(x), None
+        analytical, blocks = body(f, x, ys, pullback, options, add_row, notes, eps, directions, report)
+        if pullback is not None and options.check_undefined_grad and len(ys) > 1:
+            _undefined_backward(f, x, ys, pullback, add_row, notes)
+        if pullback is not None and options.check_batched_grad:
+            _batched_backward(ys, pullback, add_row, notes)
+        if options.check_forward_ad and options.check_undefined_grad and len(x) > 1:
+            _undefined_forward(f, x, add_row, notes)
+        summary = jnp.stack(rows) if rows else jnp.zeros((0, 3))
+        return _Output(summary, analytical, blocks)
+
+    return jax.jit(program)
+
+
+def _slow_body(f, x, ys, pullback, options, add_row, notes, eps, directions, report):
+    """Full Jacobians: numerical columns, VJP rows, JVP columns; compared block by block."""
+    per_item = sum(_size(v) for v in x) + sum(_size(y) for y in ys)
+    numerical = [_central_differences(f, x, k, eps, per_item, notes) for k in range(len(x))]
+    blocks: dict = {"numerical": numerical} if report else {}
+    analytical: list = []
+    if pullback is not None:
+        analytical = [_vjp_rows(pullback, ys, j, per_item, notes) for j in range(len(ys))]
+        for j in range(len(ys)):
+            for k in range(len(x)):
+                add_row("backward", j, k, analytical[j][k].T, numerical[k][j], detail=False)
+        if report:
+            blocks["backward"] = [[analytical[j][k].T for j in range(len(ys))] for k in range(len(x))]
+    if options.check_forward_ad:
+        forward = [_jvp_columns(f, x, k, per_item, notes) for k in range(len(x))]
+        for k in range(len(x)):
+            for j in range(len(ys)):
+                add_row("forward", j, k, forward[k][j], numerical[k][j], detail=False)
+        if report:
+            blocks["forward"] = forward
+    return analytical, blocks
+
+
+def _fast_body(f, x, ys, pullback, options, add_row, notes, eps, directions, report):
+    """PyTorch's fast mode: J u numerically (and by JVP), v^T J by VJP, for random u, v.
+
+    Only those vectors leave the program; the projections v^T J u and their
+    comparison are a few dot products on the host. That keeps reductions,
+    and so kernels to compile, out of the program.
+    """
+    us, vs = directions
+    per_item = sum(_size(v) for v in x) + sum(_size(y) for y in ys)
+    numerical = []  # [k][j]: J_jk u_k by central differences
+    for k, (xk, u) in enumerate(zip(x, us)):
+        step = jnp.stack([eps, -eps])
+        out = _batched(lambda h: f(_replace(x, k, xk + h * u)), step, 2, per_item, notes, "fn")
+        numerical.append([(y[0] - y[1]).reshape(-1) / (2 * eps) for y in out])
+    blocks: dict = {"numerical": numerical}
+    analytical = []  # [j][k]: v_j^T J_jk
+    if pullback is not None:
+        zeros = tuple(jnp.zeros_like(y) for y in ys)
+        analytical = [tuple(g.reshape(-1) for g in pullback(_replace(zeros, j, v))[0]) for j, v in enumerate(vs)]
+        blocks["backward"] = analytical
+    if options.check_forward_ad:
+        zeros = tuple(jnp.zeros_like(v) for v in x)
+        blocks["forward"] = [
+            [t.reshape(-1) for t in jax.jvp(f, (x,), (_replace(zeros, k, u),))[1]] for k, u in enumerate(us)
+        ]
+    return analytical, blocks
+
+
+def _random_directions(evaluate: Callable, inputs: list[_Port], fixed: list) -> tuple:
+    """Fast mode's u (one per input) and v (one per output): uniform [0, 1), unit norm, as PyTorch's."""
+    ys = jax.eval_shape(evaluate, _real_view_shapes(inputs), tuple(fixed))
+    rng = np.random.default_rng(0)
+
+    def unit(shape: tuple) -> np.ndarray:
+        u = rng.random(shape)
+        return u / np.linalg.norm(u) if u.size else u
+
+    return tuple(unit(p.shape) for p in _real_view_shapes(inputs)), tuple(unit(y.shape) for y in ys)
+
+
+def _real_view_shapes(inputs: list[_Port]) -> tuple:
+    return tuple(
+        jax.ShapeDtypeStruct(p.shape + ((2,) if p.is_complex else ()), jnp.float64) for p in inputs
+    )
+
+
+def _missing_forward_mode(evaluate: Callable, inputs: list[_Port], fixed: list) -> BaseException | None:
+    """The error ``jax.jvp`` of ``fn`` raises when fn has no forward mode, else None.
+
+    A vjpkit Function without ``jvp`` raises while tracing; a plain
+    ``jax.custom_vjp`` only when the JVP is lowered, so this lowers a probe
+    (no compilation) before forward mode goes into the checking program.
+    """
+    x = _real_view_shapes(inputs)
+    try:
+        jax.jit(lambda x, fixed: jax.jvp(lambda xs: evaluate(xs, fixed), (x,), (x,))).lower(x, tuple(fixed))
+    except TypeError as e:
+        # JAX: "can't apply forward-mode autodiff (jvp) to a custom_vjp function";
+        # vjpkit: "<Name> has no forward-mode derivative ...: it defines backward but no jvp".
+        if "forward-mode" not in str(e):
+            raise
+        return e
+    return None
 
 
 def _has_host_calls(jaxpr: Any) -> bool:
@@ -769,40 +759,47 @@ def _has_host_calls(jaxpr: Any) -> bool:
     return False
 
 
+# ---------------------------------------------------------------------------
+# Checkers: a compiled program per (function, input signature, options), cached.
+
+
 class _Checker:
     """One function checked at one input signature with one set of options."""
 
     def __init__(self, fn: Callable, partition: _Partition, diff: list, options: _Options):
-        self.fn, self.partition, self.options = fn, partition, options
+        self.options = options
         self.inputs = [
             _Port(index, path, tuple(np.shape(v)), v.dtype, jnp.iscomplexobj(v))
             for (index, path), v in zip(partition.diff_sites(), diff)
         ]
         self.notes = _Notes()
+        self.evaluate = _evaluator(fn, partition, self.inputs, self.notes)
         self._programs: dict[bool, Callable] = {}
-        self.rerun: bool | None = None  # run twice to compare (decided at first trace)
+        self._prepared = False
         self.forward_unavailable: BaseException | None = None  # why fn has no forward mode
+        self.directions: tuple = ()  # fast mode's (us, vs)
+        self.rerun = False  # whether to run twice for nondet_tol (decided at the first trace)
 
-    def program(self, report: bool) -> Callable:
-        if report not in self._programs:
+    def run(self, diff: list, fixed: list, tol: _Tolerances, report: bool = False) -> _Output:
+        if not self._prepared:
+            self._prepare(fixed)
+        program = self._programs.get(report)
+        if program is None:
             options = self.options
             if self.forward_unavailable is not None:
                 options = options._replace(check_forward_ad=False)
-            self._programs[report] = _build_program(
-                self.fn, self.partition, self.inputs, options, self.notes, report
-            )
-        return self._programs[report]
-
-    def run(self, diff: list, fixed: list, tol: _Tolerances, report: bool = False) -> tuple:
-        if self.options.check_forward_ad and not self._programs:
-            evaluate = _evaluator(self.fn, self.partition, self.inputs, _Notes())
-            self.forward_unavailable = _missing_forward_mode(evaluate, self.inputs, fixed)
-        program = self.program(report)
-        args = (tuple(diff), tuple(fixed), tol.eps, tol.atol, tol.rtol)
-        if self.rerun is None:
-            jaxpr = program.trace(*args).jaxpr
-            self.rerun = jax.default_backend() != "cpu" or _has_host_calls(jaxpr)
+            program = self._programs[report] = _build_program(self.evaluate, options, self.notes, report)
+        args = (tuple(diff), tuple(fixed), tol.eps, tol.atol, tol.rtol, self.directions)
+        if not self._prepared:
+            self.rerun = jax.default_backend() != "cpu" or _has_host_calls(program.trace(*args).jaxpr)
+            self._prepared = True
         return program(*args)
+
+    def _prepare(self, fixed: list) -> None:
+        if self.options.check_forward_ad:
+            self.forward_unavailable = _missing_forward_mode(self.evaluate, self.inputs, fixed)
+        if self.options.fast_mode:
+            self.directions = _random_directions(self.evaluate, self.inputs, fixed)
 
 
 _cache: collections.OrderedDict = collections.OrderedDict()
@@ -811,11 +808,7 @@ _cache_lock = threading.Lock()
 
 def _checker(fn: Callable, partition: _Partition, diff: list, fixed: list, options: _Options) -> _Checker:
     signature = tuple((np.shape(v), np.dtype(v.dtype)) for v in (*diff, *fixed))
-    try:
-        key = (fn, partition.key, signature, options)
-        hash(key)
-    except TypeError:  # an unhashable fn or static leaf: no caching
-        return _Checker(fn, partition, diff, options)
+    key = (static_key_of(fn), partition.key, signature, options)
     with _cache_lock:
         checker = _cache.get(key)
         if checker is not None:
@@ -855,105 +848,122 @@ def _check(fn, args, options, tol, naming) -> None:
         )
     for (index, path), v in zip(partition.diff_sites(), diff):
         if np.dtype(v.dtype) not in (np.float64, np.complex128):
-            warnings.warn(
-                f"gradcheck: {naming.input(index, path)} has dtype {np.dtype(v.dtype).name}; "
-                "gradcheck casts it to double precision and checks fn there, since finite "
-                "differences in single precision are too inaccurate to compare with. Pass "
-                "float64 inputs to silence this warning.",
-                stacklevel=4,
+            _warn(
+                f"{naming.input(index, path)} has dtype {np.dtype(v.dtype).name}; gradcheck casts it "
+                "to double precision and checks fn there, since finite differences in single "
+                "precision are too inaccurate to compare with. Pass float64 inputs to silence this warning."
             )
     checker = _checker(fn, partition, diff, fixed, options)
-    summary, analytical, _ = checker.run(diff, fixed, tol)
-    summary = np.asarray(summary)
-    notes = checker.notes
-    for port in notes.outputs:
-        if np.dtype(port.dtype) not in (np.float64, np.complex128):
-            warnings.warn(
-                f"gradcheck: {naming.output(port.index, port.path)} has dtype "
-                f"{np.dtype(port.dtype).name} although fn ran on float64 inputs; finite "
-                "differences through a single-precision computation are inaccurate.",
-                stacklevel=4,
-            )
-    for where, e in notes.sequential:
-        warnings.warn(
-            f"gradcheck: {where} does not support vmap, so gradcheck evaluated it in a "
-            f"sequential loop (slower). vmap raised {type(e).__name__}: {e}",
-            stacklevel=4,
-        )
+    out = checker.run(diff, fixed, tol)
+    summary = np.asarray(out.summary)
+    for message in _trace_warnings(checker, naming):
+        _warn(message)
     problems: list[str] = []
     mismatches: list[JacobianMismatch] = []
-    failed = {check for (check, _, _), s in zip(notes.rows, summary) if s[0] > 0}
-    jacobian_failed = bool(failed & {"backward", "forward"})
-    if jacobian_failed and options.fast_mode:
-        problems.append(_fast_mode_report(checker, summary, tol, naming))
-        slow = _checker(fn, partition, diff, fixed, options._replace(fast_mode=False))
-        slow_problems, mismatches = _jacobian_report(slow, diff, fixed, tol, naming)
-        if slow_problems:
+    if options.fast_mode:
+        fast_problems = _fast_mode_problems(checker, out, tol, naming)
+        if fast_problems:
+            problems.append("\n".join(fast_problems))
+            slow = _checker(fn, partition, diff, fixed, options._replace(fast_mode=False))
+            slow_problems, mismatches = _jacobian_report(slow, diff, fixed, tol, naming)
             problems.append(
-                "The full Jacobians (slow mode), for the complete picture:\n\n"
-                + "\n\n".join(slow_problems)
+                "The full Jacobians (slow mode), for the complete picture:\n\n" + "\n\n".join(slow_problems)
+                if slow_problems else
+                "The full Jacobians (slow mode) agree element by element within atol and rtol: fast "
+                "mode failed only through its projected tolerance. Use fast_mode=False for this function."
             )
-        else:
-            problems.append(
-                "The full Jacobians (slow mode) agree element by element within atol and "
-                "rtol: fast mode failed only through its projected tolerance. Use "
-                "fast_mode=False for this function."
-            )
-    elif jacobian_failed:
-        jacobian_problems, mismatches = _jacobian_report(checker, diff, fixed, tol, naming)
-        problems.extend(jacobian_problems)
-    problems.extend(_other_problems(checker, summary, tol, naming))
+    elif any(s[0] > 0 for (check, _, _), s in zip(checker.notes.rows, summary) if check in _JACOBIANS):
+        problems, mismatches = _jacobian_report(checker, diff, fixed, tol, naming)
+    problems += _other_problems(checker, summary, naming)
     if not problems and checker.rerun and options.check_backward_ad:
-        _, again, _ = checker.run(diff, fixed, tol)
-        problems.extend(_reentrancy_problems(checker, analytical, again, tol, naming))
+        again = checker.run(diff, fixed, tol)
+        problems += _reentrancy_problems(checker, out.analytical, again.analytical, tol, naming)
     if checker.forward_unavailable is not None:
         reason = f"{type(checker.forward_unavailable).__name__}: {checker.forward_unavailable}"
         if not options.check_backward_ad:
             problems.append(
-                "Nothing was checked: check_backward_ad=False and fn has no forward mode "
-                f"for check_forward_ad ({reason})"
+                "Nothing was checked: check_backward_ad=False and fn has no forward mode for "
+                f"check_forward_ad ({reason})"
             )
         else:
-            warnings.warn(
-                f"gradcheck: skipped check_forward_ad because fn has no forward mode ({reason})",
-                stacklevel=4,
-            )
+            _warn(f"skipped check_forward_ad because fn has no forward mode ({reason})")
     if problems:
         raise GradcheckError("\n\n".join(problems), mismatches)
 
 
-def _fast_mode_report(checker: _Checker, summary: np.ndarray, tol: _Tolerances, naming: _Naming) -> str:
-    lines = []
-    for (check, j, k), s in zip(checker.notes.rows, summary):
-        if check in ("backward", "forward") and s[0] > 0:
-            out, inp = checker.notes.outputs[j], checker.inputs[k]
-            what = (
-                f"v^T J u = {float(s[3])!r} numerically, {float(s[4])!r} analytically"
-                if check == "backward"
-                else f"J u differs from the numerical J u by up to {s[1]:.6g}"
+_JACOBIANS = ("backward", "forward")
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"gradcheck: {message}", stacklevel=5)  # the caller of gradcheck
+
+
+def _trace_warnings(checker: _Checker, naming: _Naming) -> list[str]:
+    """What tracing fn showed that the user should know: precision lost, vmap missing."""
+    messages = []
+    for port in checker.notes.outputs:
+        if np.dtype(port.dtype) not in (np.float64, np.complex128):
+            messages.append(
+                f"{naming.output(port.index, port.path)} has dtype {np.dtype(port.dtype).name} although "
+                "fn ran on float64 inputs; finite differences through a single-precision computation "
+                "are inaccurate."
             )
-            lines.append(
-                f"Fast-mode {'' if check == 'backward' else 'forward-mode '}Jacobian mismatch for "
-                f"{naming.output(out.index, out.path)} with respect to "
-                f"{naming.input(inp.index, inp.path)}: {what} (random u, v)."
-            )
-    return "\n".join(lines)
+    for where, e in checker.notes.sequential:
+        messages.append(
+            f"{where} does not support vmap, so gradcheck evaluated it in a sequential loop "
+            f"(slower). vmap raised {type(e).__name__}: {e}"
+        )
+    return messages
+
+
+def _pair(checker: _Checker, j: int, k: int, naming: _Naming) -> str:
+    out, inp = checker.notes.outputs[j], checker.inputs[k]
+    return f"{naming.output(out.index, out.path)} with respect to {naming.input(inp.index, inp.path)}"
+
+
+def _fast_mode_problems(checker: _Checker, out: _Output, tol: _Tolerances, naming: _Naming) -> list[str]:
+    """Compares v^T (J u) numerically with (v^T J) u by VJP, and J u by JVP, on the host.
+
+    atol is scaled by sum(u) * sum(v) (sum(u) for J u): the projection of a
+    matrix whose every entry is atol (PyTorch's ``_adjusted_atol``).
+    """
+    us, vs = checker.directions
+    blocks = jax.device_get(out.blocks)
+    problems = []
+    for k, u in enumerate(us):
+        for j, v in enumerate(vs):
+            ju = blocks["numerical"][k][j]
+            if "backward" in blocks:
+                n = float(np.dot(v.reshape(-1), ju))
+                a = float(np.dot(blocks["backward"][j][k], u.reshape(-1)))
+                if not abs(a - n) <= tol.atol * u.sum() * v.sum() + tol.rtol * abs(n):
+                    problems.append(
+                        f"Fast-mode Jacobian mismatch for {_pair(checker, j, k, naming)}: v^T J u = "
+                        f"{n!r} numerically, {a!r} analytically (random u, v)."
+                    )
+            if "forward" in blocks:
+                diff = np.abs(blocks["forward"][k][j] - ju)
+                if not np.all(diff <= tol.atol * u.sum() + tol.rtol * np.abs(ju)):
+                    problems.append(
+                        f"Fast-mode Jacobian computed with forward mode mismatch for "
+                        f"{_pair(checker, j, k, naming)}: J u differs from the numerical J u by up to "
+                        f"{np.max(diff):.6g} (random u)."
+                    )
+    return problems
 
 
 def _jacobian_report(checker, diff, fixed, tol, naming) -> tuple[list[str], list[JacobianMismatch]]:
     """Runs the report variant of the program and describes every mismatching block."""
-    summary, _, blocks = checker.run(diff, fixed, tol, report=True)
-    summary = np.asarray(summary)
+    out = checker.run(diff, fixed, tol, report=True)
+    summary = np.asarray(out.summary)
     problems, mismatches = [], []
     for (check, j, k), s in zip(checker.notes.rows, summary):
-        if check not in ("backward", "forward") or s[0] <= 0:
-            continue
-        numerical = np.asarray(blocks["numerical"][k][j])
-        analytical = np.asarray(blocks["analytical" if check == "backward" else "forward"][k][j])
-        m = _mismatch(check, checker.notes.outputs[j], checker.inputs[k], numerical, analytical,
-                      tol, naming)
-        mismatches.append(m)
-        problems.append(_describe(m, tol))
+        if check in _JACOBIANS and s[0] > 0:
+            m = _mismatch(check, checker.notes.outputs[j], checker.inputs[k],
+                          np.asarray(out.blocks["numerical"][k][j]),
+                          np.asarray(out.blocks[check][k][j]), tol, naming)
+            mismatches.append(m)
+            problems.append(_describe(m, tol))
     return problems, mismatches
 
 
@@ -967,8 +977,8 @@ def _element(port: _Port, flat: int) -> tuple:
 
 def _mismatch(mode, out, inp, numerical, analytical, tol, naming) -> JacobianMismatch:
     diff = np.abs(analytical - numerical)
-    excess = diff / (tol.atol + tol.rtol * np.abs(numerical))
-    excess = np.where(np.isnan(excess), np.inf, excess)
+    ok = diff <= tol.atol + tol.rtol * np.abs(numerical)
+    excess = np.where(ok, 0.0, np.where(np.isnan(diff), np.inf, diff / (tol.atol + tol.rtol * np.abs(numerical))))
     r, c = np.unravel_index(int(np.argmax(excess)), excess.shape)
     n, a = float(numerical[r, c]), float(analytical[r, c])
     return JacobianMismatch(
@@ -985,14 +995,14 @@ def _mismatch(mode, out, inp, numerical, analytical, tol, naming) -> JacobianMis
         analytical_value=a,
         abs_diff=abs(a - n),
         rel_diff=abs(a - n) / abs(n) if n != 0 else float("inf"),
-        mismatched=int(np.sum(~(diff <= tol.atol + tol.rtol * np.abs(numerical)))),
+        mismatched=int(np.sum(~ok)),
         numerical=numerical,
         analytical=analytical,
     )
 
 
 def _format_matrix(m: np.ndarray) -> str:
-    with np.printoptions(threshold=64, edgeitems=3, precision=6, linewidth=100, suppress=False):
+    with np.printoptions(threshold=64, edgeitems=3, precision=6, linewidth=100):
         return np.array2string(m, prefix="    ")
 
 
@@ -1019,26 +1029,26 @@ def _describe(m: JacobianMismatch, tol: _Tolerances) -> str:
     )
 
 
-def _other_problems(checker, summary, tol, naming) -> list[str]:
+def _other_problems(checker: _Checker, summary: np.ndarray, naming: _Naming) -> list[str]:
+    """Reports of check_undefined_grad and check_batched_grad."""
     notes, problems = checker.notes, []
     for (mode, index), e in notes.undefined_errors.items():
         if mode == "backward":
             out = notes.outputs[index]
             problems.append(
                 f"Backward failed with undefined output gradients: using only "
-                f"{naming.output(out.index, out.path)} leaves the gradients of the other "
-                f"outputs undefined (None in a vjpkit Function with "
-                f"ctx.set_materialize_grads(False)), and the backward raised "
-                f"{type(e).__name__}: {e}\nTreat an undefined gradient as zero, or pass "
-                "check_undefined_grad=False."
+                f"{naming.output(out.index, out.path)} leaves the gradients of the other outputs "
+                f"undefined (None in a vjpkit Function with ctx.set_materialize_grads(False)), and "
+                f"the backward raised {type(e).__name__}: {e}\nTreat an undefined gradient as zero, "
+                "or pass check_undefined_grad=False."
             )
         else:
             inp = checker.inputs[index]
             problems.append(
-                f"Forward mode failed with undefined input tangents: differentiating with "
-                f"respect to {naming.input(inp.index, inp.path)} alone leaves the tangents "
-                f"of the other inputs undefined (None in a vjpkit Function's jvp), and it "
-                f"raised {type(e).__name__}: {e}\nTreat an undefined tangent as zero, or pass "
+                f"Forward mode failed with undefined input tangents: differentiating with respect "
+                f"to {naming.input(inp.index, inp.path)} alone leaves the tangents of the other "
+                f"inputs undefined (None in a vjpkit Function's jvp), and it raised "
+                f"{type(e).__name__}: {e}\nTreat an undefined tangent as zero, or pass "
                 "check_undefined_grad=False."
             )
     for j, e in notes.batched_errors.items():
@@ -1047,31 +1057,28 @@ def _other_problems(checker, summary, tol, naming) -> list[str]:
             f"Batched gradient check failed: vmap of the VJP over gradients of "
             f"{naming.output(out.index, out.path)} raised {type(e).__name__}: {e}"
         )
-    for (check, j, k), s in zip(notes.rows, summary):
-        if s[0] <= 0 or check in ("backward", "forward"):
+    for (check, j, k), (failed, worst, count) in zip(notes.rows, summary):
+        if failed <= 0 or check in _JACOBIANS:
             continue
-        out, inp = notes.outputs[j], checker.inputs[k]
-        pair = f"{naming.output(out.index, out.path)} with respect to {naming.input(inp.index, inp.path)}"
+        pair = _pair(checker, j, k, naming)
+        how_much = f"by up to {worst:.6g} ({int(count)} elements)"
         if check == "undefined_backward":
             problems.append(
-                f"Backward mishandles undefined output gradients: for {pair}, the gradient "
-                f"with the other outputs' gradients undefined (None in a vjpkit Function "
-                f"with ctx.set_materialize_grads(False)) differs from the gradient with "
-                f"explicit zeros, by up to {s[1]:.6g} ({int(s[2])} elements). An undefined "
-                "gradient must act as zero."
+                f"Backward mishandles undefined output gradients: for {pair}, the gradient with the "
+                f"other outputs' gradients undefined (None in a vjpkit Function with "
+                f"ctx.set_materialize_grads(False)) differs from the gradient with explicit zeros, "
+                f"{how_much}. An undefined gradient must act as zero."
             )
         elif check == "undefined_forward":
             problems.append(
-                f"Forward mode mishandles undefined input tangents: for {pair}, the tangent "
-                f"with the other inputs' tangents undefined differs from the one with "
-                f"explicit zeros, by up to {s[1]:.6g} ({int(s[2])} elements). An undefined "
-                "tangent must act as zero."
+                f"Forward mode mishandles undefined input tangents: for {pair}, the tangent with the "
+                f"other inputs' tangents undefined differs from the one with explicit zeros, "
+                f"{how_much}. An undefined tangent must act as zero."
             )
         else:
             problems.append(
                 f"Batched gradient mismatch for {pair}: vmap of the VJP over "
-                f"{_BATCHED_GRAD_SAMPLES} output gradients differs from a loop over them, by "
-                f"up to {s[1]:.6g} ({int(s[2])} elements)."
+                f"{_BATCHED_GRAD_SAMPLES} output gradients differs from a loop over them, {how_much}."
             )
     return problems
 
@@ -1080,17 +1087,13 @@ def _reentrancy_problems(checker, first, second, tol, naming) -> list[str]:
     problems = []
     for j, (rows1, rows2) in enumerate(zip(first, second)):
         for k, (a1, a2) in enumerate(zip(rows1, rows2)):
-            a1, a2 = np.asarray(a1), np.asarray(a2)
-            worst = float(np.max(np.abs(a1 - a2), initial=0.0))
+            worst = float(np.max(np.abs(np.asarray(a1) - np.asarray(a2)), initial=0.0))
             if not worst <= tol.nondet_tol:
-                out, inp = checker.notes.outputs[j], checker.inputs[k]
                 problems.append(
-                    f"Backward is not reentrant: running it twice with the same inputs and "
-                    f"output gradients gave values differing by up to {worst:.6g} for "
-                    f"{naming.output(out.index, out.path)} with respect to "
-                    f"{naming.input(inp.index, inp.path)}, although the analytical gradient "
-                    f"matches the numerical one. The tolerance for nondeterminism was "
-                    f"nondet_tol={tol.nondet_tol:g}."
+                    f"Backward is not reentrant: running it twice with the same inputs and output "
+                    f"gradients gave values differing by up to {worst:.6g} for "
+                    f"{_pair(checker, j, k, naming)}, although the analytical gradient matches the "
+                    f"numerical one. The tolerance for nondeterminism was nondet_tol={tol.nondet_tol:g}."
                 )
     return problems
 
