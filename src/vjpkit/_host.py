@@ -42,7 +42,7 @@ The key differences to a JAX Function are:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
