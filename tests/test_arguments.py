@@ -233,6 +233,26 @@ def test_varargs_get_one_gradient_each():
     chex.assert_trees_all_close(Product.apply(X, W), X * W)
 
 
+def test_keyword_only_array_gets_its_gradient_after_varargs():
+    class Combine(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, *rest, w, scale=2.0):
+            ctx.save_for_backward(x, w)
+            ctx.scale = scale
+            return x * w * scale + sum(rest)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            # Order: positional, each *rest value, then keyword-only.
+            return g * w * ctx.scale, g, g * x * ctx.scale, None
+
+    z = jnp.array([2.0, 3.0, 4.0])
+    got = jax.grad(lambda x, w, z: Combine.apply(x, z, w=w).sum(), argnums=(0, 1, 2))(X, W, z)
+    expected = jax.grad(lambda x, w, z: (x * w * 2.0 + z).sum(), argnums=(0, 1, 2))(X, W, z)
+    chex.assert_trees_all_close(got, expected)
+
+
 # ---------------------------------------------------------------------------
 # Pytrees in and out
 
