@@ -117,6 +117,21 @@ def test_inside_an_outer_jit_it_inlines():
     chex.assert_trees_all_close(outer(X), jnp.exp(X) * 6)
 
 
+def test_closed_over_array_inside_an_outer_jit_inlines():
+    Exp = counting_exp([])
+    Exp.apply(X)  # a top-level call first, so apply's fast path is set up
+
+    @jax.jit
+    def outer(y):
+        return Exp.apply(X) * y  # X is a concrete array, not a tracer
+
+    (outer_eqn,) = jax.make_jaxpr(outer)(2.0).jaxpr.eqns
+    names = [eqn.primitive.name for eqn in _eqns(outer_eqn.params["jaxpr"].jaxpr)]
+    assert "custom_vjp_call" in names
+    assert not {"jit", "pjit"} & set(names), names
+    chex.assert_trees_all_close(outer(2.0), jnp.exp(X) * 2)
+
+
 def test_gradient_inside_an_outer_jit_inlines():
     Exp = counting_exp([])
     grad = jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))
