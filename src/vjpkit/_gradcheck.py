@@ -241,18 +241,18 @@ def gradgradcheck(
     tolerances = _Tolerances(float(eps), float(atol), float(rtol), float(nondet_tol))
     args = _as_args(inputs)
     with jax.enable_x64(True):
-        output_shapes = _differentiable_output_shapes(fn, args)
+        outputs = _output_ports(fn, args)
     if grad_outputs is None:
         rng = np.random.default_rng(0)
         cotangents = tuple(
-            rng.uniform(-1.0, 1.0, shape) + 1j * rng.uniform(-1.0, 1.0, shape)
-            if jnp.issubdtype(dtype, jnp.complexfloating)
-            else rng.uniform(-1.0, 1.0, shape)
-            for shape, dtype in output_shapes
+            rng.uniform(-1.0, 1.0, p.shape) + 1j * rng.uniform(-1.0, 1.0, p.shape)
+            if p.is_complex
+            else rng.uniform(-1.0, 1.0, p.shape)
+            for p in outputs
         )
     else:
         cotangents = _as_args(grad_outputs)
-        _check_grad_outputs(cotangents, output_shapes)
+        _check_grad_outputs(cotangents, outputs)
     vjp_fn = _VJPOf(fn, len(args))
     naming = _Naming(n_args=len(args))
     return _run(vjp_fn, args + cotangents, options, tolerances, naming, raise_exception)
@@ -334,6 +334,18 @@ def _as_args(inputs: Any) -> tuple:
 
 def _as_outputs(out: Any) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _differentiable_outputs(out: Any) -> list[tuple[tuple, jax.Array]]:
+    """(key path, leaf) of fn's output leaves that are checked: floating and complex arrays.
+
+    A tuple (or list) output is PyTorch's several outputs; anything else is output 0.
+    """
+    return [
+        (path, jnp.asarray(leaf))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(_as_outputs(out))[0]
+        if is_array(leaf) and _is_inexact(leaf)
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -492,16 +504,11 @@ def _evaluator(fn: Callable, partition: _Partition, inputs: list[_Port], notes: 
 
     def evaluate(x: tuple, fixed: tuple) -> tuple:
         diff = [_from_real_view(v, p.is_complex) for v, p in zip(x, inputs)]
-        out = fn(*partition.merge(diff, fixed))
-        ports, ys = [], []
-        for path, leaf in jax.tree_util.tree_flatten_with_path(_as_outputs(out))[0]:
-            if is_array(leaf) and _is_inexact(leaf):
-                leaf = jnp.asarray(leaf)
-                index, rest = _site(path)
-                ports.append(_Port(index, rest, tuple(leaf.shape), leaf.dtype, jnp.iscomplexobj(leaf)))
-                ys.append(_real_view(leaf))
-        notes.outputs = ports
-        return tuple(ys)
+        outputs = _differentiable_outputs(fn(*partition.merge(diff, fixed)))
+        notes.outputs = [
+            _Port(*_site(path), tuple(y.shape), y.dtype, jnp.iscomplexobj(y)) for path, y in outputs
+        ]
+        return tuple(_real_view(y) for _, y in outputs)
 
     return evaluate
 
@@ -768,10 +775,7 @@ class _Checker:
 
     def __init__(self, fn: Callable, partition: _Partition, diff: list, options: _Options):
         self.options = options
-        self.inputs = [
-            _Port(index, path, tuple(np.shape(v)), v.dtype, jnp.iscomplexobj(v))
-            for (index, path), v in zip(partition.diff_sites(), diff)
-        ]
+        self.inputs = _input_ports(partition, diff)
         self.notes = _Notes()
         self.evaluate = _evaluator(fn, partition, self.inputs, self.notes)
         self._programs: dict[bool, Callable] = {}
@@ -802,24 +806,38 @@ class _Checker:
             self.directions = _random_directions(self.evaluate, self.inputs, fixed)
 
 
+def _input_ports(partition: _Partition, diff: list) -> list[_Port]:
+    return [
+        _Port(index, path, tuple(np.shape(v)), v.dtype, jnp.iscomplexobj(v))
+        for (index, path), v in zip(partition.diff_sites(), diff)
+    ]
+
+
+def _signature(diff: list, fixed: list) -> tuple:
+    return tuple((np.shape(v), np.dtype(v.dtype)) for v in (*diff, *fixed))
+
+
 _cache: collections.OrderedDict = collections.OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def _checker(fn: Callable, partition: _Partition, diff: list, fixed: list, options: _Options) -> _Checker:
-    signature = tuple((np.shape(v), np.dtype(v.dtype)) for v in (*diff, *fixed))
-    key = (static_key_of(fn), partition.key, signature, options)
+def _cached(key: Any, make: Callable[[], Any]) -> Any:
+    """A least-recently-used cache of checkers (and of output structures)."""
     with _cache_lock:
-        checker = _cache.get(key)
-        if checker is not None:
+        if key in _cache:
             _cache.move_to_end(key)
-            return checker
-    checker = _Checker(fn, partition, diff, options)
+            return _cache[key]
+    value = make()
     with _cache_lock:
-        _cache[key] = checker
+        _cache[key] = value
         while len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
-    return checker
+    return value
+
+
+def _checker(fn: Callable, partition: _Partition, diff: list, fixed: list, options: _Options) -> _Checker:
+    key = ("checker", static_key_of(fn), partition.key, _signature(diff, fixed), options)
+    return _cached(key, lambda: _Checker(fn, partition, diff, options))
 
 
 # ---------------------------------------------------------------------------
@@ -1119,9 +1137,7 @@ class _VJPOf:
         partition, diff, fixed = _partition(args)
 
         def outputs(d: list) -> list:
-            out = self.fn(*partition.merge(d, fixed))
-            return [y for y in jax.tree_util.tree_leaves(_as_outputs(out))
-                    if is_array(y) and _is_inexact(y)]
+            return [y for _, y in _differentiable_outputs(self.fn(*partition.merge(d, fixed)))]
 
         ys, pullback = jax.vjp(outputs, list(diff))
         cts = [jnp.asarray(c).astype(y.dtype) for c, y in zip(jax.tree_util.tree_leaves(cotangents), ys)]
@@ -1132,24 +1148,23 @@ class _VJPOf:
         return jax.tree_util.tree_unflatten(partition.treedef, leaves)
 
 
-def _differentiable_output_shapes(fn: Callable, args: tuple) -> list[tuple[tuple, Any]]:
+def _output_ports(fn: Callable, args: tuple) -> list[_Port]:
+    """fn's differentiable output leaves at these arguments (traced once, cached)."""
     partition, diff, fixed = _partition(args)
+    key = ("outputs", static_key_of(fn), partition.key, _signature(diff, fixed))
 
-    def outputs(d: list, fx: list) -> list:
-        out = fn(*partition.merge(d, fx))
-        return [jnp.asarray(y) for y in jax.tree_util.tree_leaves(_as_outputs(out))
-                if is_array(y) and _is_inexact(y)]
+    def trace() -> list[_Port]:
+        notes, inputs = _Notes(), _input_ports(partition, diff)
+        jax.eval_shape(_evaluator(fn, partition, inputs, notes), _real_view_shapes(inputs), tuple(fixed))
+        return notes.outputs
 
-    cast = [jax.ShapeDtypeStruct(np.shape(v), jnp.complex128 if jnp.iscomplexobj(v) else jnp.float64)
-            for v in diff]
-    return [(tuple(s.shape), s.dtype) for s in jax.eval_shape(outputs, cast, list(fixed))]
+    return _cached(key, trace)
 
 
-def _check_grad_outputs(cotangents: tuple, expected: list) -> None:
-    leaves = [c for c in jax.tree_util.tree_leaves(cotangents)]
-    got = [tuple(np.shape(c)) for c in leaves]
-    want = [shape for shape, _ in expected]
-    if got != want or not all(is_array(c) and _is_inexact(c) for c in leaves):
+def _check_grad_outputs(cotangents: tuple, outputs: list[_Port]) -> None:
+    leaves = jax.tree_util.tree_leaves(cotangents)
+    want = [p.shape for p in outputs]
+    if [tuple(np.shape(c)) for c in leaves] != want or not all(is_array(c) and _is_inexact(c) for c in leaves):
         raise ValueError(
             f"gradgradcheck: grad_outputs must hold one floating-point array per "
             f"differentiable output of fn, with shapes {want}; got "
