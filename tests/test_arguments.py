@@ -10,6 +10,8 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import vjpkit
 
@@ -515,6 +517,33 @@ def test_broadcast_gradient_with_leading_axes_is_summed_down():
     x = jnp.ones((2, 4, 3))
     gb = jax.grad(lambda b: AddBias.apply(x, b).sum())(jnp.zeros(3))
     chex.assert_trees_all_close(gb, jnp.full(3, 8.0))
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    b_shape=st.lists(st.sampled_from([1, 2]), min_size=0, max_size=3),
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+)
+def test_any_broadcast_gradient_is_summed_down_like_autodiff(b_shape, lead):
+    # x has the full broadcast shape; b is broadcast up to it in forward.
+    b_shape = tuple(b_shape)
+    x_shape = (*lead, *(2 for _ in b_shape))
+
+    class AddBias(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, b):
+            return x + b
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, g
+
+    x = jnp.arange(np.prod(x_shape), dtype=jnp.float32).reshape(x_shape)
+    b = jnp.ones(b_shape)
+    gb = jax.grad(lambda b: (AddBias.apply(x, b) * x).sum())(b)
+    expected = jax.grad(lambda b: ((x + b) * x).sum())(b)
+    assert gb.shape == b_shape
+    chex.assert_trees_all_close(gb, expected)
 
 
 def test_gradient_of_another_float_dtype_is_cast_to_the_input_dtype():
