@@ -66,7 +66,8 @@ class FunctionCtx:
         if not self._vjpkit_open:
             raise RuntimeError(
                 f"{self._vjpkit_name}: ctx.{member} was used after the call it "
-                "belongs to had finished. A ctx is only valid inside forward, "
+                f"belongs to had finished (this ctx was {self._vjpkit_name}."
+                f"{self._vjpkit_method}'s). A ctx is only valid inside forward, "
                 "setup_context, backward or jvp; keep values on ctx for backward "
                 "instead of keeping the ctx itself."
             )
@@ -125,6 +126,15 @@ class FunctionCtx:
     def mark_non_differentiable(self, *outputs: Any) -> None:
         """Declares outputs (by identity) that carry no gradient."""
         self._check_open("mark_non_differentiable")
+        for i, x in enumerate(outputs):
+            if not is_array(x):
+                raise TypeError(
+                    f"{self._vjpkit_name}.{self._vjpkit_method}: "
+                    f"mark_non_differentiable takes output arrays, but argument "
+                    f"{i} is {type(x).__name__} ({_short_repr(x)}). Non-array "
+                    "outputs are static and carry no gradient anyway; pass "
+                    "only the output arrays that should carry none."
+                )
         self._vjpkit_non_differentiable = outputs
 
     def set_materialize_grads(self, value: bool) -> None:
@@ -146,7 +156,9 @@ class FunctionCtx:
                 raise ValueError(
                     f"{self._vjpkit_name}.{self._vjpkit_method}: mark_dirty "
                     f"argument {i} ({_short_repr(x)}) is not an input of "
-                    "forward; only inputs can be marked dirty."
+                    "forward; only inputs can be marked dirty. Pass the input "
+                    "whose new value forward returns (x, not the result of "
+                    "x.at[i].set(v)); a new array needs no marking."
                 )
         self._vjpkit_dirty = inputs
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.errors import TracerArrayConversionError
+from jax.errors import TracerArrayConversionError, UnexpectedTracerError
 
 from . import _anomaly, _host, _jax_internals
 from ._args import Layout, Signature, as_jax_leaf, split_static, static_key_of
@@ -320,6 +320,20 @@ def _no_forward_mode(spec: _Spec) -> TypeError:
     )
 
 
+def _leaked_tracer(spec: _Spec, e: UnexpectedTracerError) -> UnexpectedTracerError:
+    # JAX's report says where the value was created; vjpkit says why and what to do.
+    return UnexpectedTracerError(
+        f"{spec.name}: an array that leaked out of an earlier trace was used here "
+        f"(as an argument of {spec.name}.apply, or inside {spec.name}'s methods). "
+        "forward, setup_context, backward and jvp run while JAX traces, so their "
+        "arrays (inputs, results, saved tensors) are tracers, valid only during "
+        "that call; one kept by user code (in a list, a global, a class or a kept "
+        "ctx) fails when used later. Return it from forward as an extra output "
+        "instead (ctx.mark_non_differentiable if it needs no gradient).\n\n"
+        f"JAX's report:\n{e}"
+    )
+
+
 def _named(fn: Callable, name: str) -> Callable:
     """A plain function named ``name`` (JAX's error messages and jaxprs show it)."""
 
@@ -374,6 +388,8 @@ class _Cache:
                 # inlines into the caller's program; jit=False runs op by op.
                 return program.differentiable(*map(as_jax_leaf, arrays)).unpack()
             out = program.jitted(*arrays)
+        except UnexpectedTracerError as e:
+            raise _leaked_tracer(spec, e) from None
         except TypeError as e:
             # JAX reuses a forward rule it traced for reverse mode, so vjpkit's
             # own check in _fwd can be skipped; name the class here instead.
@@ -499,7 +515,10 @@ class Function(metaclass=_FunctionMeta):
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(f"{cls.__name__} defines no forward, so it cannot be applied.")
+        raise TypeError(
+            f"{cls.__name__} defines no forward, so it cannot be applied. Add a "
+            f"forward(ctx, *inputs) staticmethod to {cls.__name__}."
+        )
 
     @classmethod
     def cache_info(cls) -> CacheInfo:

@@ -123,15 +123,22 @@ def output_cotangents(
 
 def _count_message(owner: str, got: int, names: tuple, was_list: bool) -> str:
     expected = len(names)
-    hint = (
-        " A list counts as one value: return a tuple of gradients."
-        if was_list
-        else " Return None for inputs that need no gradient."
-    )
+    if was_list:
+        hint = " A list counts as one value: return a tuple of gradients."
+    elif got > expected:
+        hint = " Values after the last input's gradient are allowed only if they are None."
+    else:
+        hint = " Return None for inputs that need no gradient."
     return (
         f"{owner}.backward returned {got} gradient{'s' if got != 1 else ''}, "
         f"expected {expected} (one per forward input: {', '.join(names)}).{hint}"
     )
+
+
+_STATIC_HINT = (
+    " To differentiate with respect to a scalar, pass it as an array "
+    "(jnp.asarray(c)); otherwise return None in its place."
+)
 
 
 def _matches_structure(treedef: Any, value: Any) -> bool:
@@ -192,7 +199,7 @@ def check_backward_outputs(
                     raise TypeError(
                         f"{owner}.{method} returned a gradient for {where}, which is "
                         f"static (not an array, so not differentiated): expected None, "
-                        f"got {_short_repr(grad)}."
+                        f"got {_short_repr(grad)}.{_STATIC_HINT}"
                     ) from None
                 got = jax.tree_util.tree_structure(grad, is_leaf=lambda x: x is None)
                 raise TypeError(
@@ -207,7 +214,7 @@ def check_backward_outputs(
                     raise TypeError(
                         f"{owner}.{method} returned a gradient for {at}, which is "
                         f"static (not an array, so not differentiated): expected "
-                        f"None, got {_short_repr(g)}."
+                        f"None, got {_short_repr(g)}.{_STATIC_HINT}"
                     )
                 continue
             shape, dtype, *varying = kind
