@@ -18,7 +18,7 @@ import numpy as np
 
 from ._ctx import is_array
 
-__all__ = ["Signature", "Layout", "split_static", "static_key_of"]
+__all__ = ["Signature", "Layout", "split_static", "split_residuals", "static_key_of", "as_jax_leaf"]
 
 _MISSING = object()
 
@@ -177,6 +177,12 @@ def split_static(values: tuple) -> tuple[Any, Layout, list]:
             static.append((i, leaf))
             key.append((i, static_key_of(leaf)))
     return tuple(key), Layout(treedef, tuple(static), tuple(dynamic)), arrays
+
+
+def split_residuals(saved: Any) -> tuple[Layout, tuple]:
+    """What forward left on ctx: its arrays (the residuals) apart from static data."""
+    _, layout, arrays = split_static(saved)
+    return layout, tuple(map(as_jax_leaf, arrays))
 
 
 def as_jax_leaf(x: Any) -> Any:

@@ -26,10 +26,17 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from . import _anomaly, _jax_internals
-from ._args import Layout, as_jax_leaf
+from ._args import Layout, split_residuals
 from ._ctx import FunctionCtx, _short_repr, is_array
 from ._once import call_without_derivative
-from ._outputs import Packed, check_backward_outputs, is_differentiable_dtype, output_cotangents, pack_outputs
+from ._outputs import (
+    Packed,
+    check_backward_outputs,
+    differentiable_outputs,
+    is_differentiable_dtype,
+    output_cotangents,
+    pack_outputs,
+)
 
 if TYPE_CHECKING:
     from ._function import _Program
@@ -66,15 +73,11 @@ class _Rule:
     def run(self, primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
         program, spec = self.program, self.spec
         arrays = tuple(primals)
-        perturbed = [
-            type(t) is not SymbolicZero and is_differentiable_dtype(jnp.result_type(x))
-            for x, t in zip(arrays, tangents)
+        perturbed = [type(t) is not SymbolicZero for t in tangents]
+        self.needs = program.needs_input_grad(perturbed, arrays)
+        self.perturbed = perturbed = [
+            p and is_differentiable_dtype(jnp.result_type(x)) for p, x in zip(perturbed, arrays)
         ]
-        needs = [False] * program.n_params
-        for param, p in zip(program.param_of_dynamic, perturbed):
-            needs[param] = needs[param] or p
-        self.needs = tuple(needs)
-        self.perturbed = perturbed
         values = program.layout.rebuild(arrays)
         ctx = FunctionCtx(self.name, self.needs, values)
         try:
@@ -82,50 +85,32 @@ class _Rule:
             packed = pack_outputs(self.name, out)
             if program.anomaly:
                 program.check_outputs(packed)
-            marked = {id(x) for x in ctx._vjpkit_non_differentiable}
-            out_arrays = [leaf for leaf in jax.tree_util.tree_leaves(out) if is_array(leaf)]
-            self.differentiable = [
-                id(leaf) not in marked and is_differentiable_dtype(jnp.result_type(leaf))
-                for leaf in out_arrays
-            ]
-            res_leaves, res_treedef = jax.tree_util.tree_flatten(
+            self.differentiable = differentiable_outputs(out, ctx._vjpkit_non_differentiable)
+            self.residual_layout, res_arrays = split_residuals(
                 (ctx._vjpkit_saved, ctx._vjpkit_saved_forward, ctx._user_attributes())
             )
-            static, dynamic, res_arrays = [], [], []
-            for i, leaf in enumerate(res_leaves):
-                if is_array(leaf):
-                    dynamic.append(i)
-                    res_arrays.append(as_jax_leaf(leaf))
-                else:
-                    static.append((i, leaf))
-            self.residual_layout = Layout(res_treedef, tuple(static), tuple(dynamic))
             self.materialize = ctx._vjpkit_materialize
         finally:
             ctx._vjpkit_open = False
 
         self.out_layout = packed.layout
         self.out_avals = [(tuple(a.shape), a.dtype) for a in packed.arrays]
-        self.in_kinds = [None] * program.layout.treedef.num_leaves
-        for k, x in zip(program.layout.dynamic, arrays):
-            self.in_kinds[k] = (tuple(x.shape), x.dtype)
+        self.in_kinds = program.input_kinds(arrays)
         self.in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
         self.linear = [d for d, p in enumerate(perturbed) if p]
         self.outputs = [j for j, diff in enumerate(self.differentiable) if diff]
 
         tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
-        backward_rule = None
-        if spec.backward is not None:
+        def backward_rule(residuals: tuple, cotangents: tuple) -> list:
+            return self.apply_backward(residuals, cotangents)
 
-            def backward_rule(residuals: tuple, cotangents: tuple) -> list:
-                return self.apply_backward(residuals, cotangents)
-
-            backward_rule.takes_symbolic_zeros = True
+        backward_rule.takes_symbolic_zeros = True  # backward sees None for absent gradients
         if self.linear and self.outputs:
             computed = _jax_internals.linear_call(
                 res_arrays,
                 [tangents[d] for d in self.linear],
                 apply=self.apply_jvp,
-                transpose=backward_rule,
+                transpose=backward_rule if spec.backward is not None else None,
                 out_avals=[
                     jax.core.ShapedArray(packed.arrays[j].shape, packed.arrays[j].dtype)
                     for j in self.outputs
@@ -225,7 +210,16 @@ class _Rule:
                 )
             structured = result
         else:
-            if isinstance(result, tuple) and len(result) == 1 and not _same_structure(layout.treedef, result):
+            # A single array matches any structure, so a tuple is never its tangent.
+            single = jax.tree_util.treedef_is_leaf(layout.treedef)
+            if isinstance(result, tuple) and (single or not _same_structure(layout.treedef, result)):
+                if len(result) != 1:
+                    raise TypeError(
+                        f"{name}.jvp returned {len(result)} tangents, expected 1 (one per "
+                        f"output of forward, which returns a single "
+                        f"{'array' if single else 'pytree'}, not a tuple). Return the "
+                        "tangent itself."
+                    )
                 result = result[0]
             structured = result
         try:

@@ -23,13 +23,14 @@ import jax.numpy as jnp
 from jax.errors import TracerArrayConversionError, UnexpectedTracerError
 
 from . import _anomaly, _host, _jax_internals
-from ._args import Layout, Signature, as_jax_leaf, split_static, static_key_of
-from ._ctx import FunctionCtx, is_array
+from ._args import Layout, Signature, as_jax_leaf, split_residuals, split_static, static_key_of
+from ._ctx import FunctionCtx
 from ._forward import forward_mode_function
 from ._once import call_without_derivative, is_once_differentiable
 from ._outputs import (
     Packed,
     check_backward_outputs,
+    differentiable_outputs,
     is_differentiable_dtype,
     output_cotangents,
     pack_outputs,
@@ -81,29 +82,23 @@ def _defined(cls: type, method: str) -> Callable | None:
 class _ResidualMeta:
     """Static data carried from forward to backward inside the residual treedef."""
 
-    __slots__ = ("treedef", "static", "dynamic", "needs", "differentiable", "out_avals",
-                 "materialize", "in_kinds", "_key")
+    __slots__ = ("layout", "needs", "differentiable", "out_avals", "materialize", "in_kinds", "_key")
 
-    def __init__(self, treedef, static, dynamic, needs, differentiable, out_avals, materialize, in_kinds):
-        self.treedef = treedef
-        self.static = static
-        self.dynamic = dynamic
+    def __init__(self, layout, needs, differentiable, out_avals, materialize, in_kinds):
+        self.layout = layout  # where saved arrays and ctx attributes go
         self.needs = needs
         self.differentiable = differentiable
         self.out_avals = out_avals
         self.materialize = materialize
         self.in_kinds = in_kinds
-        self._key = (treedef, tuple((i, static_key_of(v)) for i, v in static), dynamic, needs,
-                     differentiable, out_avals, materialize, in_kinds)
+        self._key = (layout.treedef, tuple((i, static_key_of(v)) for i, v in layout.static),
+                     layout.dynamic, needs, differentiable, out_avals, materialize, in_kinds)
 
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, _ResidualMeta) and self._key == other._key
 
     def __hash__(self) -> int:
         return hash(self._key)
-
-    def rebuild(self, arrays: Any) -> tuple:
-        return Layout(self.treedef, self.static, self.dynamic).rebuild(arrays)
 
 
 class _Residuals:
@@ -204,18 +199,16 @@ class _Program:
         spec = self.spec
         if spec.backward is None:
             raise TypeError(
-                f"{spec.name} cannot be differentiated: it defines no backward. "
-                f"Add a backward(ctx, *grad_outputs) staticmethod to {spec.name} "
-                "for jax.grad, jax.vjp and jax.jacrev."
+                f"{spec.name} cannot be differentiated: it defines no backward "
+                f"(and no jvp). Add a backward(ctx, *grad_outputs) staticmethod to "
+                f"{spec.name} for reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
+                "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
+                "jax.jacfwd)."
             )
         if _jax_internals.called_from_forward_mode():
             raise _no_forward_mode(spec)
         arrays = tuple(p.value for p in primals)
-        needs = [False] * self.n_params
-        for param, p, x in zip(self.param_of_dynamic, primals, arrays):
-            if p.perturbed and is_differentiable_dtype(jnp.result_type(x)):
-                needs[param] = True
-        needs = tuple(needs)
+        needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
         values = self.layout.rebuild(arrays)
         ctx = FunctionCtx(spec.name, needs, values)
         try:
@@ -223,32 +216,30 @@ class _Program:
             packed = pack_outputs(spec.name, out)
             if self.anomaly:
                 self.check_outputs(packed)
-            marked = {id(x) for x in ctx._vjpkit_non_differentiable}
-            out_arrays = [leaf for leaf in jax.tree_util.tree_leaves(out) if is_array(leaf)]
-            differentiable = tuple(
-                id(leaf) not in marked and is_differentiable_dtype(jnp.result_type(leaf))
-                for leaf in out_arrays
-            )
-            res_leaves, res_treedef = jax.tree_util.tree_flatten(
-                (ctx._vjpkit_saved, ctx._user_attributes())
-            )
-            static, dynamic, res_arrays = [], [], []
-            for i, leaf in enumerate(res_leaves):
-                if is_array(leaf):
-                    dynamic.append(i)
-                    res_arrays.append(as_jax_leaf(leaf))
-                else:
-                    static.append((i, leaf))
-            in_kinds = [None] * self.layout.treedef.num_leaves
-            for k, x in zip(self.layout.dynamic, arrays):
-                in_kinds[k] = (*_kind(x), _jax_internals.varying_axes(x))
+            layout, res_arrays = split_residuals((ctx._vjpkit_saved, ctx._user_attributes()))
             meta = _ResidualMeta(
-                res_treedef, tuple(static), tuple(dynamic), needs, differentiable,
-                tuple(_kind(a) for a in packed.arrays), ctx._vjpkit_materialize, tuple(in_kinds),
+                layout, needs, differentiable_outputs(out, ctx._vjpkit_non_differentiable),
+                tuple(_kind(a) for a in packed.arrays), ctx._vjpkit_materialize,
+                self.input_kinds(arrays),
             )
-            return packed, _Residuals(tuple(res_arrays), meta)
+            return packed, _Residuals(res_arrays, meta)
         finally:
             ctx._vjpkit_open = False
+
+    def needs_input_grad(self, perturbed: Any, arrays: Any) -> tuple[bool, ...]:
+        """One flag per parameter: whether JAX differentiates any of its float leaves."""
+        needs = [False] * self.n_params
+        for param, p, x in zip(self.param_of_dynamic, perturbed, arrays):
+            if p and is_differentiable_dtype(jnp.result_type(x)):
+                needs[param] = True
+        return tuple(needs)
+
+    def input_kinds(self, arrays: Any) -> tuple:
+        """Per leaf of the bound arguments: None (static) or the array's type."""
+        kinds: list = [None] * self.layout.treedef.num_leaves
+        for k, x in zip(self.layout.dynamic, arrays):
+            kinds[k] = (*_kind(x), _jax_internals.varying_axes(x))
+        return tuple(kinds)
 
     def _bwd(self, residuals: _Residuals, cotangents: Packed) -> tuple:
         meta = residuals.meta
@@ -279,7 +270,7 @@ class _Program:
 
     def _backward(self, meta: _ResidualMeta, res_arrays: Any, grads: tuple) -> list:
         spec = self.spec
-        saved, attributes = meta.rebuild(res_arrays)
+        saved, attributes = meta.layout.rebuild(res_arrays)
         ctx = FunctionCtx(spec.name, meta.needs)
         ctx._vjpkit_method = "backward"
         ctx._vjpkit_saved = saved

@@ -26,6 +26,7 @@ __all__ = [
     "pack_outputs",
     "output_cotangents",
     "check_backward_outputs",
+    "differentiable_outputs",
     "is_differentiable_dtype",
 ]
 
@@ -97,6 +98,16 @@ def pack_outputs(owner: str, out: Any) -> Packed:
         )
     layout = OutputLayout(treedef, tuple(static), tuple(dynamic), type(out) is tuple)
     return Packed(tuple(arrays), layout)
+
+
+def differentiable_outputs(out: Any, non_differentiable: Sequence[Any]) -> tuple[bool, ...]:
+    """Per array leaf of forward's output: inexact and not marked non-differentiable."""
+    marked = {id(x) for x in non_differentiable}
+    return tuple(
+        id(leaf) not in marked and is_differentiable_dtype(jnp.result_type(leaf))
+        for leaf in jax.tree_util.tree_leaves(out)
+        if is_array(leaf)
+    )
 
 
 def output_cotangents(
