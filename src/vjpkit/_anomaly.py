@@ -41,7 +41,7 @@ import numpy as np
 
 from . import _jax_internals
 
-__all__ = ["detect_anomaly", "enabled", "check_finite", "input_labels", "AnomalyError"]
+__all__ = ["detect_anomaly", "enabled", "check_finite", "input_labels", "reraise_anomaly"]
 
 # Thread-local, and in JAX's jit and trace cache keys (see _jax_internals).
 FLAG = _jax_internals.thread_local_flag("vjpkit_detect_anomaly")
@@ -51,10 +51,6 @@ FLAG = _jax_internals.thread_local_flag("vjpkit_detect_anomaly")
 # leaves the call to the slow path, which reads FLAG.
 ACTIVE = [0]
 _ACTIVE_LOCK = threading.Lock()
-
-
-class AnomalyError(FloatingPointError):
-    """A vjpkit Function produced NaN or Inf while ``detect_anomaly`` was on."""
 
 
 def enabled() -> bool:
@@ -93,7 +89,7 @@ def detect_anomaly() -> Iterator[None]:
         if message is None:
             raise
         # Under jax.jit, JAX wraps the callback's error in JaxRuntimeError.
-        raise AnomalyError(message) from None
+        raise FloatingPointError(message) from None
     finally:
         FLAG.set_local(previous)
         with _ACTIVE_LOCK:
@@ -120,7 +116,7 @@ def input_labels(names: Sequence[str], param_treedefs: Sequence[Any], dynamic: S
 
 
 def check_finite(owner: str, method: str, labelled: Sequence[tuple[str, Any]]) -> None:
-    """Traces a check that each array is finite; raises AnomalyError when one is not.
+    """Traces a check that each array is finite; raises FloatingPointError when one is not.
 
     ``labelled`` holds ``(where, array_or_None)`` pairs; ``None``, integer
     and empty arrays are skipped. Each array is reduced on the device to its
@@ -155,7 +151,7 @@ class _Report:
             if n_nan or n_inf:
                 message = anomaly_message(self.owner, self.method, where, shape, n_nan, n_inf, int(first))
                 _remember(message)
-                raise AnomalyError(message)
+                raise FloatingPointError(message)
 
 
 def anomaly_message(owner: str, method: str, where: str, shape: tuple, n_nan: int, n_inf: int, first: int) -> str:
@@ -192,11 +188,16 @@ def _remember(message: str) -> None:
         _REPORTED.append(message)
 
 
+def _is_reported(text: str) -> bool:
+    with _REPORTED_LOCK:
+        return text in _REPORTED
+
+
 def reported_in(error: BaseException) -> str | None:
     """The anomaly message inside a JAX error raised by a failed check, if any."""
-    if isinstance(error, AnomalyError):
-        return None  # already the right error (eager execution raises it directly)
     text = str(error)
+    if type(error) is FloatingPointError and _is_reported(text):
+        return None  # already the right error (eager execution raises it directly)
     with _REPORTED_LOCK:
         messages = list(_REPORTED)
     for message in reversed(messages):
@@ -206,17 +207,18 @@ def reported_in(error: BaseException) -> str | None:
 
 
 def reraise_anomaly(error: BaseException) -> None:
-    """Raises ``AnomalyError`` if ``error`` wraps one; returns otherwise."""
+    """Raises ``FloatingPointError`` if ``error`` wraps a failed check; returns otherwise."""
     message = reported_in(error)
     if message is not None:
-        raise AnomalyError(message) from None
+        raise FloatingPointError(message) from None
 
 
 class _DropAnomalyLogs(logging.Filter):
     """JAX logs every failing debug callback with a traceback; ours are raised anyway."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], AnomalyError))
+        e = record.exc_info[1] if record.exc_info else None
+        return not (type(e) is FloatingPointError and _is_reported(str(e)))
 
 
 _LOG_FILTER = _DropAnomalyLogs()
