@@ -63,9 +63,10 @@ from ._ctx import is_array
 __all__ = ["GradcheckError", "JacobianMismatch", "gradcheck", "gradgradcheck"]
 
 # Largest batch of perturbed inputs (or one-hot cotangents) vmapped at once,
-# counted in float64 elements of inputs plus outputs per batch member.
-# Beyond it the batch is split into a lax.map of vmapped chunks.
-_BATCH_ELEMENTS = 1 << 24
+# in bytes of float64 inputs plus outputs. Beyond it the batch is split into
+# a lax.map of vmapped chunks, to bound memory. (Smaller, cache-sized chunks
+# were no faster here, and a loop costs compile time.)
+_BATCH_BYTES = 1 << 27
 _CACHE_SIZE = 64
 _BATCHED_GRAD_SAMPLES = 3
 
@@ -483,7 +484,7 @@ class _Notes:
 
 def _batched(f: Callable, xs: Any, n: int, per_item: int, notes: _Notes, where: str) -> Any:
     """``vmap(f)(xs)``, chunked when large, a sequential loop when ``f`` cannot be vmapped."""
-    batch = max(1, _BATCH_ELEMENTS // max(1, per_item))
+    batch = max(1, _BATCH_BYTES // (8 * max(1, per_item)))
     try:
         return jax.vmap(f)(xs) if n <= batch else lax.map(f, xs, batch_size=batch)
     except Exception as vmap_error:  # e.g. a pure_callback without vmap_method
@@ -513,112 +514,161 @@ def _evaluator(fn: Callable, partition: _Partition, inputs: list[_Port], notes: 
     return evaluate
 
 
-def _central_differences(f: Callable, x: tuple, k: int, eps: Any, per_item: int, notes: _Notes) -> list:
-    """Numerical Jacobian columns for input ``k``: one (n_k, m_j) block per output j.
+def _central_differences(t: _Trace, k: int, index: jax.Array) -> list:
+    """Numerical Jacobian columns ``index`` of input ``k``: one (len(index), m_j) block per output j.
 
-    All ``2 n_k`` perturbed inputs go through one ``vmap`` of ``f``.
+    All ``2 len(index)`` perturbed inputs go through one (nested) ``vmap`` of
+    ``f``; keeping each column's two evaluations adjacent is faster than two
+    separate halves.
     """
-    xk = x[k]
-    n = _size(xk)
-    index = jnp.concatenate([jnp.arange(n), jnp.arange(n)])
-    step = jnp.concatenate([jnp.full(n, eps), jnp.full(n, -eps)])
+    xk = t.x[k]
+    steps = jnp.stack([t.eps, -t.eps])
 
-    def perturbed(index_and_step: tuple) -> tuple:
-        i, h = index_and_step
-        return f(_replace(x, k, xk + h * _one_hot(i, xk.shape)))
+    def column(i: jax.Array) -> tuple:
+        e = _one_hot(i, xk.shape)
+        ys = _batched(lambda h: t.f(_replace(t.x, k, xk + h * e)), steps, 2, t.per_item, t.notes, "fn")
+        return tuple(((y[0] - y[1]) / (2 * t.eps)).reshape(-1) for y in ys)
 
-    ys = _batched(perturbed, (index, step), 2 * n, per_item, notes, "fn")
-    return [_rows((y[:n] - y[n:]) / (2 * eps)) for y in ys]
+    return list(_batched(column, index, index.shape[0], 2 * t.per_item, t.notes, "fn"))
 
 
-def _vjp_rows(pullback: Callable, ys: tuple, j: int, per_item: int, notes: _Notes) -> tuple:
+def _compare_columns(t: _Trace, k: int, references: list[tuple[int, jax.Array]]) -> list[jax.Array]:
+    """Central differences for input ``k``, compared with analytical Jacobian blocks.
+
+    ``references`` holds ``(j, block)`` pairs, ``block`` being an (n_k, m_j)
+    Jacobian to compare with output j's numerical one. The numerical
+    Jacobian is never stored: the comparison fuses with the differences.
+    Inputs too large for one ``vmap`` (``_BATCH_BYTES``) are done in chunks of
+    columns. Returns one ``_failure`` per reference.
+    """
+    n = _size(t.x[k])
+    if n == 0 or not references:
+        return [jnp.float64(-1.0)] * len(references)
+    b = max(1, min(n, _BATCH_BYTES // (2 * 8 * max(1, t.per_item))))
+    if b == n:
+        numerical = _central_differences(t, k, jnp.arange(n))
+        return [_failure(block, numerical[j], t.atol, t.rtol) for j, block in references]
+    n_chunks = -(-n // b)
+    # The last chunk is padded with repeats of the last column: checked twice, harmlessly.
+    chunks = jnp.minimum(jnp.arange(n_chunks * b), n - 1).reshape(n_chunks, b)
+
+    def failures(index: jax.Array) -> jax.Array:
+        numerical = _central_differences(t, k, index)
+        return jnp.stack([_failure(block[index], numerical[j], t.atol, t.rtol) for j, block in references])
+
+    return list(jnp.max(lax.map(failures, chunks), axis=0))
+
+
+def _vjp_rows(t: _Trace, j: int) -> tuple:
     """Analytical Jacobian rows for output ``j``: one (m_j, n_k) block per input k.
 
     All ``m_j`` one-hot cotangents go through one ``vmap`` of the VJP; the
     other outputs' cotangents are explicit zeros (unbatched, so free).
     """
-    m = _size(ys[j])
-    zeros = tuple(jnp.zeros_like(y) for y in ys)
+    m = _size(t.ys[j])
+    zeros = tuple(jnp.zeros_like(y) for y in t.ys)
 
     def row(i: jax.Array) -> tuple:
-        (g,) = pullback(_replace(zeros, j, _one_hot(i, ys[j].shape)))
+        (g,) = t.pullback(_replace(zeros, j, _one_hot(i, t.ys[j].shape)))
         return tuple(gk.reshape(-1) for gk in g)
 
-    return _batched(row, jnp.arange(m), m, per_item, notes, "the VJP")
+    return _batched(row, jnp.arange(m), m, t.per_item, t.notes, "the VJP")
 
 
-def _jvp_columns(f: Callable, x: tuple, k: int, per_item: int, notes: _Notes) -> list:
+def _jvp_columns(t: _Trace, k: int) -> list:
     """Forward-mode Jacobian columns for input ``k``: one (n_k, m_j) block per output j."""
-    n = _size(x[k])
-    zeros = tuple(jnp.zeros_like(v) for v in x)
+    n = _size(t.x[k])
+    zeros = tuple(jnp.zeros_like(v) for v in t.x)
 
     def column(i: jax.Array) -> tuple:
-        return jax.jvp(f, (x,), (_replace(zeros, k, _one_hot(i, x[k].shape)),))[1]
+        return jax.jvp(t.f, (t.x,), (_replace(zeros, k, _one_hot(i, t.x[k].shape)),))[1]
 
-    return [_rows(t) for t in _batched(column, jnp.arange(n), n, per_item, notes, "the JVP")]
+    return [_rows(c) for c in _batched(column, jnp.arange(n), n, t.per_item, t.notes, "the JVP")]
 
 
-def _mismatch_row(a: jax.Array, n: jax.Array, atol: Any, rtol: Any, detail: bool = True) -> jax.Array:
-    """One summary row: [failed, max |a - n|, elements failing].
-
-    ``failed`` is positive exactly where ``allclose(a, n, rtol, atol)``
-    fails (NaN counts as a failure). Full Jacobian blocks are large, so for
-    them (``detail=False``) that one fused reduction is all the program
-    computes; a failure reruns the report variant, which returns the blocks.
-    """
+def _failure(a: jax.Array, n: jax.Array, atol: Any, rtol: Any) -> jax.Array:
+    """Positive exactly where ``allclose(a, n, rtol, atol)`` fails (NaN fails too): one reduction."""
     diff = jnp.abs(a - n)
     ok = diff <= atol + rtol * jnp.abs(n)
-    failed = jnp.max(jnp.where(ok, -1.0, jnp.where(jnp.isnan(diff), jnp.inf, diff)), initial=-1.0)
-    if not detail:
-        return jnp.stack([failed, jnp.nan, jnp.nan])
+    return jnp.max(jnp.where(ok, -1.0, jnp.where(jnp.isnan(diff), jnp.inf, diff)), initial=-1.0)
+
+
+def _mismatch_row(a: jax.Array, n: jax.Array, atol: Any, rtol: Any) -> jax.Array:
+    """One summary row for a small comparison: [failure, max |a - n|, elements failing]."""
+    diff = jnp.abs(a - n)
+    failing = ~(diff <= atol + rtol * jnp.abs(n))
     worst = jnp.max(jnp.where(jnp.isnan(diff), jnp.inf, diff), initial=0.0)
-    return jnp.stack([failed, worst, jnp.sum(~ok).astype(jnp.float64)])
+    return jnp.stack([_failure(a, n, atol, rtol), worst, jnp.sum(failing).astype(jnp.float64)])
 
 
-def _undefined_backward(f, x, ys, pullback, add_row, notes) -> None:
+class _Trace:
+    """What the pieces of one trace of the checking program share."""
+
+    def __init__(self, f, x, options, notes, eps, atol, rtol, directions, report):
+        self.f, self.x, self.options, self.notes = f, x, options, notes
+        self.eps, self.atol, self.rtol = eps, atol, rtol
+        self.directions, self.report = directions, report
+        if options.check_backward_ad:
+            self.ys, self.pullback = jax.vjp(f, x)
+        else:
+            self.ys, self.pullback = f(x), None
+        # Elements of one batch member of a vmap (its inputs and outputs), to size chunks.
+        self.per_item = sum(_size(v) for v in x) + sum(_size(y) for y in self.ys)
+        self.rows: list = []
+
+    def add(self, check: str, j: int, k: int, row: jax.Array) -> None:
+        """Adds a summary row: [failure, max |a - n|, elements failing]."""
+        self.notes.rows.append((check, j, k))
+        self.rows.append(row if row.ndim else jnp.stack([row, jnp.nan, jnp.nan]))
+
+    def compare(self, check: str, j: int, k: int, a: jax.Array, n: jax.Array) -> None:
+        self.add(check, j, k, _mismatch_row(a, n, self.atol, self.rtol))
+
+
+def _undefined_backward(t: _Trace) -> None:
     """Each output used alone: the others' cotangents are symbolic zeros (undefined)."""
-    zeros = tuple(jnp.zeros_like(y) for y in ys)
-    for j, y in enumerate(ys):
+    zeros = tuple(jnp.zeros_like(y) for y in t.ys)
+    for j, y in enumerate(t.ys):
         c = _probe(y.shape, salt=7 + j)
         try:
-            (got,) = jax.vjp(lambda xs, j=j: f(xs)[j], x)[1](c)
+            (got,) = jax.vjp(lambda xs, j=j: t.f(xs)[j], t.x)[1](c)
         except Exception as e:  # e.g. backward computing None * g
-            notes.undefined_errors[("backward", j)] = e
+            t.notes.undefined_errors[("backward", j)] = e
             continue
-        (expected,) = pullback(_replace(zeros, j, c))
-        for k in range(len(x)):
-            add_row("undefined_backward", j, k, got[k], expected[k])
+        (expected,) = t.pullback(_replace(zeros, j, c))
+        for k in range(len(t.x)):
+            t.compare("undefined_backward", j, k, got[k], expected[k])
 
 
-def _undefined_forward(f, x, add_row, notes) -> None:
+def _undefined_forward(t: _Trace) -> None:
     """Each input differentiated alone: the others' tangents are symbolic zeros (undefined)."""
-    zeros = tuple(jnp.zeros_like(v) for v in x)
-    for k, xk in enumerate(x):
-        t = _probe(xk.shape, salt=13 + k)
+    zeros = tuple(jnp.zeros_like(v) for v in t.x)
+    for k, xk in enumerate(t.x):
+        tangent = _probe(xk.shape, salt=13 + k)
         try:
-            _, got = jax.jvp(lambda v, k=k: f(_replace(x, k, v)), (xk,), (t,))
+            _, got = jax.jvp(lambda v, k=k: t.f(_replace(t.x, k, v)), (xk,), (tangent,))
         except Exception as e:
-            notes.undefined_errors[("forward", k)] = e
+            t.notes.undefined_errors[("forward", k)] = e
             continue
-        _, expected = jax.jvp(f, (x,), (_replace(zeros, k, t),))
+        _, expected = jax.jvp(t.f, (t.x,), (_replace(zeros, k, tangent),))
         for j in range(len(got)):
-            add_row("undefined_forward", j, k, got[j], expected[j])
+            t.compare("undefined_forward", j, k, got[j], expected[j])
 
 
-def _batched_backward(ys, pullback, add_row, notes) -> None:
+def _batched_backward(t: _Trace) -> None:
     """vmap of the VJP over a few output cotangents, against a Python loop over them."""
-    zeros = tuple(jnp.zeros_like(y) for y in ys)
-    for j, y in enumerate(ys):
+    zeros = tuple(jnp.zeros_like(y) for y in t.ys)
+    for j, y in enumerate(t.ys):
         cs = jnp.stack([_probe(y.shape, salt=31 + 3 * j + b) for b in range(_BATCHED_GRAD_SAMPLES)])
-        vjp_j = lambda c, j=j: pullback(_replace(zeros, j, c))[0]  # noqa: E731
+        vjp_j = lambda c, j=j: t.pullback(_replace(zeros, j, c))[0]  # noqa: E731
         try:
             batched = jax.vmap(vjp_j)(cs)
         except Exception as e:
-            notes.batched_errors[j] = e
+            t.notes.batched_errors[j] = e
             continue
         looped = [vjp_j(c) for c in cs]
         for k in range(len(batched)):
-            add_row("batched", j, k, batched[k], jnp.stack([g[k] for g in looped]))
+            t.compare("batched", j, k, batched[k], jnp.stack([g[k] for g in looped]))
 
 
 # ---------------------------------------------------------------------------
@@ -629,7 +679,7 @@ def _batched_backward(ys, pullback, add_row, notes) -> None:
 class _Output(NamedTuple):
     """What one run of a checking program returns (device arrays)."""
 
-    summary: jax.Array  # one row per notes.rows entry, see _mismatch_row
+    summary: jax.Array  # one row per notes.rows entry: [failure, max |a - n|, elements failing]
     analytical: Any  # what a rerun must reproduce exactly (the nondet_tol check)
     blocks: dict  # slow report: full Jacobians; fast mode: directional derivatives
 
@@ -640,78 +690,70 @@ def _build_program(evaluate: Callable, options: _Options, notes: _Notes, report:
     def program(x_in: tuple, fixed: tuple, eps: Any, atol: Any, rtol: Any, directions: tuple) -> _Output:
         notes.reset()
         x = tuple(_real_view(jnp.asarray(v)) for v in x_in)
-        f = lambda xs: evaluate(xs, fixed)  # noqa: E731
-        rows: list = []
-
-        def add_row(check: str, j: int, k: int, a: jax.Array, n: jax.Array, detail: bool = True) -> None:
-            notes.rows.append((check, j, k))
-            rows.append(_mismatch_row(a, n, atol, rtol, detail))
-
-        if options.check_backward_ad:
-            ys, pullback = jax.vjp(f, x)
-        else:
-            ys, pullback = f(x), None
-        analytical, blocks = body(f, x, ys, pullback, options, add_row, notes, eps, directions, report)
-        if pullback is not None and options.check_undefined_grad and len(ys) > 1:
-            _undefined_backward(f, x, ys, pullback, add_row, notes)
-        if pullback is not None and options.check_batched_grad:
-            _batched_backward(ys, pullback, add_row, notes)
+        t = _Trace(lambda xs: evaluate(xs, fixed), x, options, notes, eps, atol, rtol, directions, report)
+        analytical, blocks = body(t)
+        if t.pullback is not None and options.check_undefined_grad and len(t.ys) > 1:
+            _undefined_backward(t)
+        if t.pullback is not None and options.check_batched_grad:
+            _batched_backward(t)
         if options.check_forward_ad and options.check_undefined_grad and len(x) > 1:
-            _undefined_forward(f, x, add_row, notes)
-        summary = jnp.stack(rows) if rows else jnp.zeros((0, 3))
+            _undefined_forward(t)
+        summary = jnp.stack(t.rows) if t.rows else jnp.zeros((0, 3))
         return _Output(summary, analytical, blocks)
 
     return jax.jit(program)
 
 
-def _slow_body(f, x, ys, pullback, options, add_row, notes, eps, directions, report):
-    """Full Jacobians: numerical columns, VJP rows, JVP columns; compared block by block."""
-    per_item = sum(_size(v) for v in x) + sum(_size(y) for y in ys)
-    numerical = [_central_differences(f, x, k, eps, per_item, notes) for k in range(len(x))]
-    blocks: dict = {"numerical": numerical} if report else {}
-    analytical: list = []
-    if pullback is not None:
-        analytical = [_vjp_rows(pullback, ys, j, per_item, notes) for j in range(len(ys))]
-        for j in range(len(ys)):
-            for k in range(len(x)):
-                add_row("backward", j, k, analytical[j][k].T, numerical[k][j], detail=False)
-        if report:
-            blocks["backward"] = [[analytical[j][k].T for j in range(len(ys))] for k in range(len(x))]
-    if options.check_forward_ad:
-        forward = [_jvp_columns(f, x, k, per_item, notes) for k in range(len(x))]
-        for k in range(len(x)):
-            for j in range(len(ys)):
-                add_row("forward", j, k, forward[k][j], numerical[k][j], detail=False)
-        if report:
-            blocks["forward"] = forward
+def _slow_body(t: _Trace) -> tuple:
+    """Full Jacobians: VJP rows and JVP columns, each compared with central differences."""
+    n_in, n_out = len(t.x), len(t.ys)
+    analytical = [_vjp_rows(t, j) for j in range(n_out)] if t.pullback is not None else []
+    forward = [_jvp_columns(t, k) for k in range(n_in)] if t.options.check_forward_ad else []
+    # Each check's Jacobian blocks [k][j] in PyTorch's (input, output) layout.
+    jacobians = ([("backward", [[a[k].T for a in analytical] for k in range(n_in)])] if analytical else []) + (
+        [("forward", forward)] if forward else [])
+    if not t.report:
+        for k in range(n_in):
+            references = [(j, jac[k][j]) for _, jac in jacobians for j in range(n_out)]
+            failures = iter(_compare_columns(t, k, references))
+            for check, _ in jacobians:
+                for j in range(n_out):
+                    t.add(check, j, k, next(failures))
+        return analytical, {}
+    # The report variant returns the full Jacobians.
+    blocks = {"numerical": [_central_differences(t, k, jnp.arange(_size(v))) for k, v in enumerate(t.x)]}
+    for check, jac in jacobians:
+        blocks[check] = jac
+        for k in range(n_in):
+            for j in range(n_out):
+                t.add(check, j, k, _failure(jac[k][j], blocks["numerical"][k][j], t.atol, t.rtol))
     return analytical, blocks
 
 
-def _fast_body(f, x, ys, pullback, options, add_row, notes, eps, directions, report):
+def _fast_body(t: _Trace) -> tuple:
     """PyTorch's fast mode: J u numerically (and by JVP), v^T J by VJP, for random u, v.
 
     Only those vectors leave the program; the projections v^T J u and their
     comparison are a few dot products on the host. That keeps reductions,
     and so kernels to compile, out of the program.
     """
-    us, vs = directions
-    per_item = sum(_size(v) for v in x) + sum(_size(y) for y in ys)
+    us, vs = t.directions
     numerical = []  # [k][j]: J_jk u_k by central differences
-    for k, (xk, u) in enumerate(zip(x, us)):
-        step = jnp.stack([eps, -eps])
-        out = _batched(lambda h: f(_replace(x, k, xk + h * u)), step, 2, per_item, notes, "fn")
-        numerical.append([(y[0] - y[1]).reshape(-1) / (2 * eps) for y in out])
+    for k, (xk, u) in enumerate(zip(t.x, us)):
+        steps = jnp.stack([t.eps, -t.eps])
+        out = _batched(lambda h: t.f(_replace(t.x, k, xk + h * u)), steps, 2, t.per_item, t.notes, "fn")
+        numerical.append([(y[0] - y[1]).reshape(-1) / (2 * t.eps) for y in out])
     blocks: dict = {"numerical": numerical}
     analytical = []  # [j][k]: v_j^T J_jk
-    if pullback is not None:
-        zeros = tuple(jnp.zeros_like(y) for y in ys)
-        analytical = [tuple(g.reshape(-1) for g in pullback(_replace(zeros, j, v))[0]) for j, v in enumerate(vs)]
+    if t.pullback is not None:
+        zeros = tuple(jnp.zeros_like(y) for y in t.ys)
+        analytical = [tuple(g.reshape(-1) for g in t.pullback(_replace(zeros, j, v))[0])
+                      for j, v in enumerate(vs)]
         blocks["backward"] = analytical
-    if options.check_forward_ad:
-        zeros = tuple(jnp.zeros_like(v) for v in x)
-        blocks["forward"] = [
-            [t.reshape(-1) for t in jax.jvp(f, (x,), (_replace(zeros, k, u),))[1]] for k, u in enumerate(us)
-        ]
+    if t.options.check_forward_ad:
+        zeros = tuple(jnp.zeros_like(v) for v in t.x)
+        blocks["forward"] = [[c.reshape(-1) for c in jax.jvp(t.f, (t.x,), (_replace(zeros, k, u),))[1]]
+                             for k, u in enumerate(us)]
     return analytical, blocks
 
 
@@ -778,32 +820,32 @@ class _Checker:
         self.inputs = _input_ports(partition, diff)
         self.notes = _Notes()
         self.evaluate = _evaluator(fn, partition, self.inputs, self.notes)
-        self._programs: dict[bool, Callable] = {}
-        self._prepared = False
+        self._compiled: dict[bool, Callable] = {}  # report variant or not -> compiled program
         self.forward_unavailable: BaseException | None = None  # why fn has no forward mode
         self.directions: tuple = ()  # fast mode's (us, vs)
         self.rerun = False  # whether to run twice for nondet_tol (decided at the first trace)
 
     def run(self, diff: list, fixed: list, tol: _Tolerances, report: bool = False) -> _Output:
-        if not self._prepared:
-            self._prepare(fixed)
-        program = self._programs.get(report)
-        if program is None:
-            options = self.options
-            if self.forward_unavailable is not None:
-                options = options._replace(check_forward_ad=False)
-            program = self._programs[report] = _build_program(self.evaluate, options, self.notes, report)
-        args = (tuple(diff), tuple(fixed), tol.eps, tol.atol, tol.rtol, self.directions)
-        if not self._prepared:
-            self.rerun = jax.default_backend() != "cpu" or _has_host_calls(program.trace(*args).jaxpr)
-            self._prepared = True
-        return program(*args)
+        args = (tuple(diff), tuple(fixed), tol.eps, tol.atol, tol.rtol)
+        if report not in self._compiled:
+            self._compiled[report] = self._compile(args, report)
+        return self._compiled[report](*args, self.directions)
 
-    def _prepare(self, fixed: list) -> None:
-        if self.options.check_forward_ad:
-            self.forward_unavailable = _missing_forward_mode(self.evaluate, self.inputs, fixed)
-        if self.options.fast_mode:
-            self.directions = _random_directions(self.evaluate, self.inputs, fixed)
+    def _compile(self, args: tuple, report: bool) -> Callable:
+        if not self._compiled:  # the first program: learn what fn supports
+            fixed = args[1]
+            if self.options.check_forward_ad:
+                self.forward_unavailable = _missing_forward_mode(self.evaluate, self.inputs, fixed)
+            if self.options.fast_mode:
+                self.directions = _random_directions(self.evaluate, self.inputs, fixed)
+        options = self.options
+        if self.forward_unavailable is not None:
+            options = options._replace(check_forward_ad=False)
+        traced = _build_program(self.evaluate, options, self.notes, report).trace(*args, self.directions)
+        if not report:
+            self.rerun = jax.default_backend() != "cpu" or _has_host_calls(traced.jaxpr)
+        lowered = traced.lower()
+        return lowered.compile()
 
 
 def _input_ports(partition: _Partition, diff: list) -> list[_Port]:

@@ -1,0 +1,247 @@
+"""vjpkit.gradcheck against torch.autograd.gradcheck and jax.test_util.check_grads.
+
+    python benchmarks/gradcheck.py [--quick]
+
+The PyTorch tutorial's example: LinearFunction on inputs randn(20, 20) and
+randn(30, 20) in float64, ``eps=1e-6, atol=1e-4``; a (400 + 600) x 600
+Jacobian.
+
+1. Warm calls (compiled programs cached), side by side in one process:
+   vjpkit full-Jacobian and fast mode, ``jax.test_util.check_grads(order=1,
+   modes=("rev",))`` (one random direction only; its default modes fail on
+   a custom_vjp), and, when torch is importable, torch slow and fast mode
+   with one thread. Interleaved repeat by repeat in a rotating order;
+   speedups are medians of per-repeat ratios, which stay steady when other
+   processes load the machine.
+2. torch with its default threads, warm, each mode in its own process:
+   after a call its idle OpenMP threads keep spinning for a while, which
+   would slow down whatever runs next in the same process. Speedups are
+   ratios of medians.
+3. The first call in a fresh process, compilation included: each candidate
+   in its own subprocess (after imports and input creation), several times;
+   medians.
+
+Targets: warm full gradcheck >= 50x faster than torch slow mode; first call
+no slower than torch slow mode's; fast_mode no slower than torch's.
+
+Why torch with one thread too: on 20x30 matrices its intra-op threads only
+add synchronization, and when other processes load the machine its default
+threads made slow mode up to 10x slower here. One thread is its fastest and
+steadiest setting, so it is the conservative comparison. JAX runs with its
+defaults throughout.
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+EPS, ATOL = 1e-6, 1e-4
+FIRST_CALL = ("vjpkit", "vjpkit fast_mode", "torch slow", "torch slow, 1 thread",
+              "torch fast_mode", "torch fast_mode, 1 thread")
+TORCH_DEFAULT_THREADS = ("torch slow", "torch fast_mode")
+
+
+def tutorial_inputs():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((20, 20)), rng.standard_normal((30, 20))
+
+
+def vjpkit_linear():
+    import vjpkit
+
+    class LinearFunction(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, input, weight, bias=None):
+            ctx.save_for_backward(input, weight, bias)
+            output = input @ weight.T
+            if bias is not None:
+                output = output + bias
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            input, weight, bias = ctx.saved_tensors
+            grad_input = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:
+                grad_input = grad_output @ weight
+            if ctx.needs_input_grad[1]:
+                grad_weight = grad_output.T @ input
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_bias = grad_output.sum(0)
+            return grad_input, grad_weight, grad_bias
+
+    return LinearFunction
+
+
+def torch_linear():
+    import torch
+
+    class LinearFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input, weight, bias=None):
+            ctx.save_for_backward(input, weight, bias)
+            output = input.mm(weight.t())
+            if bias is not None:
+                output += bias.unsqueeze(0).expand_as(output)
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            input, weight, bias = ctx.saved_tensors
+            grad_input = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:
+                grad_input = grad_output.mm(weight)
+            if ctx.needs_input_grad[1]:
+                grad_weight = grad_output.t().mm(input)
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_bias = grad_output.sum(0)
+            return grad_input, grad_weight, grad_bias
+
+    return LinearFunction
+
+
+def checker(kind):
+    """A no-argument call running one checker on the tutorial example; kinds as in FIRST_CALL."""
+    x, w = tutorial_inputs()
+    fast = "fast_mode" in kind
+    if kind.startswith("vjpkit"):
+        import vjpkit
+
+        linear = vjpkit_linear()
+        return lambda: vjpkit.gradcheck(linear.apply, (x, w), eps=EPS, atol=ATOL, fast_mode=fast)
+    import torch
+
+    if kind.endswith("1 thread"):
+        torch.set_num_threads(1)
+    tlinear = torch_linear()
+    tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
+    return lambda: torch.autograd.gradcheck(tlinear.apply, (tx, tw), eps=EPS, atol=ATOL, fast_mode=fast)
+
+
+def check_grads_call():
+    import jax
+    from jax.test_util import check_grads
+
+    x, w = tutorial_inputs()
+    linear = vjpkit_linear()
+
+    def call():
+        with jax.enable_x64(True):  # float64, as the others
+            check_grads(linear.apply, (x, w), order=1, modes=("rev",), eps=EPS, atol=ATOL)
+
+    return call
+
+
+def time_interleaved(cands, repeat):
+    """Seconds per call of each (name, call, calls per repeat), one sample per repeat, rotating the order."""
+    samples = {name: [] for name, _, _ in cands}
+    for _, call, _ in cands:  # warm up: compile, fill caches (a failed check raises)
+        call()
+        call()
+    for r in range(repeat):
+        for name, call, number in cands[r % len(cands):] + cands[:r % len(cands)]:
+            start = time.perf_counter()
+            for _ in range(number):
+                call()
+            samples[name].append((time.perf_counter() - start) / number)
+    return samples
+
+
+def paired_ratio(samples, name, baseline):
+    """Median over repeats of baseline's time / name's time in the same repeat."""
+    return statistics.median(b / a for a, b in zip(samples[name], samples[baseline]))
+
+
+def in_subprocess(flag, kind, runs):
+    """Runs this script with ``flag kind`` ``runs`` times; the last number each printed."""
+    out = []
+    for _ in range(runs):
+        result = subprocess.run([sys.executable, __file__, flag, kind],
+                                capture_output=True, text=True, check=True, env=os.environ)
+        out.append(float(result.stdout.split()[-1]))
+    return out
+
+
+def table(title, rows, extra=None):
+    print(f"\n{title}")
+    header = f"| {'checker':<38} | {'median ms':>9} | {'min ms':>8} |" + (f" {extra[0]:>23} |" if extra else "")
+    print(header)
+    print(f"|{'-' * 40}|{'-' * 10}:|{'-' * 9}:|" + (f"{'-' * 24}:|" if extra else ""))
+    for name, s in rows:
+        line = f"| {name:<38} | {statistics.median(s) * 1e3:>9.3f} | {min(s) * 1e3:>8.3f} |"
+        print(line + (f" {extra[1](name):>23.1f} |" if extra else ""))
+
+
+def verdict(label, ratio, target):
+    print(f"{label}: {ratio:.1f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, for a smoke run")
+    parser.add_argument("--first-call", choices=FIRST_CALL, help=argparse.SUPPRESS)
+    parser.add_argument("--warm", choices=TORCH_DEFAULT_THREADS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    repeat, runs = (5, 2) if args.quick else (31, 7)
+    if args.first_call:
+        call = checker(args.first_call)
+        start = time.perf_counter()
+        call()
+        return print(time.perf_counter() - start)
+    if args.warm:
+        call = checker(args.warm)
+        number = 1 if "slow" in args.warm else 100
+        return print(statistics.median(time_interleaved([(args.warm, call, number)], repeat)[args.warm]))
+
+    import jax
+
+    try:
+        import torch
+    except ImportError:  # torch is only a comparison, never a dependency
+        torch = None
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, python {platform.python_version()}, "
+          f"{os.cpu_count()} cpus" + (f", torch {torch.__version__}" if torch else ", torch not installed"))
+    print("LinearFunction, inputs randn(20, 20), randn(30, 20) float64, eps=1e-6, atol=1e-4")
+
+    full, fast = "vjpkit gradcheck (full Jacobian)", "vjpkit gradcheck fast_mode"
+    cands = [(full, checker("vjpkit"), 10), (fast, checker("vjpkit fast_mode"), 100),
+             ("jax check_grads (one direction)", check_grads_call(), 10)]
+    if torch:
+        cands += [("torch gradcheck (slow mode), 1 thread", checker("torch slow, 1 thread"), 1),
+                  ("torch gradcheck fast_mode, 1 thread", checker("torch fast_mode, 1 thread"), 100)]
+    samples = time_interleaved(cands, repeat)
+    table(f"Warm calls in one process, {repeat} repeats", samples.items(),
+          ("vjpkit full is x faster", lambda name: paired_ratio(samples, full, name)))
+
+    kinds = [k for k in FIRST_CALL if torch or k.startswith("vjpkit")]
+    if torch:
+        warm_default = {k: [in_subprocess("--warm", k, 1)[0]] for k in TORCH_DEFAULT_THREADS}
+        table("torch with its default threads, warm, each in its own process (median of repeats)",
+              [(f"torch gradcheck ({k}), default threads", v) for k, v in warm_default.items()])
+    first = {k: in_subprocess("--first-call", k, runs) for k in kinds}
+    table(f"First call in a fresh process (compilation included), {runs} processes", first.items())
+
+    if torch:
+        print()
+        median = {name: statistics.median(s) for name, s in samples.items()}
+        verdict("warm full vs torch slow mode, 1 thread (paired)",
+                paired_ratio(samples, full, "torch gradcheck (slow mode), 1 thread"), 50)
+        verdict("warm full vs torch slow mode, default threads",
+                warm_default["torch slow"][0] / median[full], 50)
+        for torch_kind in ("torch slow", "torch slow, 1 thread"):
+            verdict(f"first call vs {torch_kind}'s first call",
+                    statistics.median(first[torch_kind]) / statistics.median(first["vjpkit"]), 1)
+        verdict("warm fast_mode vs torch fast_mode, 1 thread (paired)",
+                paired_ratio(samples, fast, "torch gradcheck fast_mode, 1 thread"), 1)
+        verdict("warm fast_mode vs torch fast_mode, default threads",
+                warm_default["torch fast_mode"][0] / median[fast], 1)
+
+
+if __name__ == "__main__":
+    main()
