@@ -518,8 +518,7 @@ def _central_differences(t: _Trace, k: int, index: jax.Array) -> list:
     """Numerical Jacobian columns ``index`` of input ``k``: one (len(index), m_j) block per output j.
 
     All ``2 len(index)`` perturbed inputs go through one (nested) ``vmap`` of
-    ``f``; keeping each column's two evaluations adjacent is faster than two
-    separate halves.
+    ``f``: over the columns, and over the two signs of each column's step.
     """
     xk = t.x[k]
     steps = jnp.stack([t.eps, -t.eps])
@@ -685,6 +684,11 @@ class _Output(NamedTuple):
 
 
 def _build_program(evaluate: Callable, options: _Options, notes: _Notes, report: bool) -> Callable:
+    """The jitted check of ``evaluate``: derivatives, comparisons and the extra checks, in one program.
+
+    Tolerances and ``eps`` are arguments, so changing them does not recompile.
+    ``report`` selects the variant that also returns the full Jacobians.
+    """
     body = _fast_body if options.fast_mode else _slow_body
 
     def program(x_in: tuple, fixed: tuple, eps: Any, atol: Any, rtol: Any, directions: tuple) -> _Output:
@@ -844,8 +848,7 @@ class _Checker:
         traced = _build_program(self.evaluate, options, self.notes, report).trace(*args, self.directions)
         if not report:
             self.rerun = jax.default_backend() != "cpu" or _has_host_calls(traced.jaxpr)
-        lowered = traced.lower()
-        return lowered.compile()
+        return traced.lower().compile()
 
 
 def _input_ports(partition: _Partition, diff: list) -> list[_Port]:
