@@ -147,9 +147,16 @@ class _Program:
             )
         else:
             self.differentiable = forward_mode_function(self)
-        self.jitted = jax.jit(_named(self._jit_body, spec.name))
+        # The jit of _jit_body lives in the cache entry, not on the program: JAX's
+        # caches keep jaxprs whose custom_vjp rules refer to the program, so a
+        # program that referred to its jit would keep that jit's cache key (and
+        # compiled executables) alive after vjpkit's cache dropped it.
 
     # -- calling ---------------------------------------------------------
+
+    def jit(self) -> Callable:
+        """A new ``jax.jit`` of the program (one per cache entry)."""
+        return jax.jit(_named(self._jit_body, self.spec.name))
 
     def _jit_body(self, *arrays: Any) -> Any:
         packed = self.differentiable(*arrays)
@@ -352,18 +359,20 @@ class _Cache:
         # arrays: their layout is known without flattening anything.
         self.fast: dict[int, Callable] = {}
 
-    def program(self, key: Any, layout: Layout, n_values: int, anomaly: bool = False) -> _Program:
+    def program(self, key: Any, layout: Layout, n_values: int, anomaly: bool = False) -> tuple[_Program, Callable]:
+        """The program for ``key`` and its jit."""
         with self.lock:
-            program = self.programs.get(key)
-            if program is not None:
+            entry = self.programs.get(key)
+            if entry is not None:
                 self.programs.move_to_end(key)
                 self.hits += 1
-                return program
+                return entry
             self.misses += 1
-            program = self.programs[key] = _Program(self.spec, layout, n_values, anomaly)
+            program = _Program(self.spec, layout, n_values, anomaly)
+            entry = self.programs[key] = (program, program.jit())
             while len(self.programs) > self.spec.cache_size:
                 self.programs.popitem(last=False)
-            return program
+            return entry
 
     def call(self, args: tuple, kwargs: dict) -> Any:
         spec = self.spec
@@ -372,13 +381,13 @@ class _Cache:
         anomaly = _anomaly.enabled()
         if anomaly:  # a program with NaN/Inf checks, never on the fast path
             key = ("detect_anomaly", key)
-        program = self.program(key, layout, len(values), anomaly)
+        program, jitted = self.program(key, layout, len(values), anomaly)
         try:
             if not spec.jit or _jax_internals.is_staging():
                 # Under an outer jit (or scan, checkpoint, ...) the custom_vjp
                 # inlines into the caller's program; jit=False runs op by op.
                 return program.differentiable(*map(as_jax_leaf, arrays)).unpack()
-            out = program.jitted(*arrays)
+            out = jitted(*arrays)
         except UnexpectedTracerError as e:
             raise _leaked_tracer(spec, e) from None
         except TypeError as e:
@@ -397,7 +406,7 @@ class _Cache:
             and len(values) == len(args)
             and all(type(a) is _ArrayImpl for a in args)
         ):
-            self.fast[len(args)] = program.jitted
+            self.fast[len(args)] = jitted
         return out.unpack() if type(out) is Packed else out
 
     def info(self) -> CacheInfo:
