@@ -72,6 +72,15 @@ class FunctionCtx:
                 "instead of keeping the ctx itself."
             )
 
+    def __getattribute__(self, name: str) -> Any:
+        # A user attribute (ctx.mask = m) of a finished call would be a tracer
+        # of a finished trace: reading it raises here, not later inside JAX.
+        # (Runs while JAX traces only, never per call of a compiled program.)
+        if name[0] != "_" and not object.__getattribute__(self, "_vjpkit_open"):
+            if name in object.__getattribute__(self, "__dict__"):
+                object.__getattribute__(self, "_check_open")(name)
+        return object.__getattribute__(self, name)
+
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes that do not exist.
         if not object.__getattribute__(self, "_vjpkit_open"):
