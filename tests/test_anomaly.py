@@ -347,3 +347,19 @@ def test_off_the_optimized_program_matches_a_hand_written_custom_vjp():
     with detect_anomaly():
         jax.grad(lambda x: Exp2.apply(x).sum())(X)
     assert ops(Exp2.apply) == ops(exp_by_hand)
+
+
+def test_jit_false_functions_are_checked_op_by_op():
+    @vjpkit.function(jit=False)
+    class EagerLog:
+        @staticmethod
+        def forward(ctx, x):
+            return jnp.log(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(FloatingPointError, match=r"EagerLog\.forward returned nan in output 0"):
+        with detect_anomaly():
+            EagerLog.apply(jnp.array([1.0, -1.0]))

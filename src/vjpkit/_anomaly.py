@@ -76,7 +76,8 @@ def detect_anomaly() -> Iterator[None]:
 
     Also a decorator (``@vjpkit.detect_anomaly()``). The mode is
     thread-local; code that ``jax.jit`` compiled outside the block is traced
-    again inside it, so that its Functions are checked.
+    again inside it, so that its Functions are checked. Under ``jax.vmap``
+    the host check runs once per batch element (JAX unrolls callbacks).
     """
     _quiet_jax_callback_log()
     with _ACTIVE_LOCK:
