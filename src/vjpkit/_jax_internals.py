@@ -217,14 +217,22 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
         if all(type(t) is _ad.Zero for t in d_lin):
             return out, [_ad.Zero(a.to_tangent_aval()) for a in out_avals]
         return out, _linear_call_p.bind(*res, *map(_ad.instantiate_zeros, d_lin), **params)
-    # The residuals move too: differentiate the rule's JAX code along both at
-    # once. (Splitting it into call(res, d_lin) + d/d_res computes the shared
-    # factors twice, and XLA does not merge a@w + b@w.) The linearization of
-    # JAX code is itself transposable, so reverse-over-forward still works.
+    # The residuals move too: differentiate the rule's JAX code along every
+    # moving input at once. (Splitting it into call(res, d_lin) + d/d_res
+    # computes shared factors twice, and XLA does not merge a@w + b@w.) Inputs
+    # with symbolic-zero tangents stay constants, so no work is spent on them.
+    # The linearization of JAX code is transposable: reverse-over-forward works.
+    moving = [i for i, t in enumerate(tangents) if type(t) is not _ad.Zero]
+
+    def along_moving(*values: Any) -> list:
+        full = list(primals)
+        for i, value in zip(moving, values):
+            full[i] = value
+        res_, lin_ = _split(full, num_res)
+        return list(apply(res_, lin_))
+
     out, tangent_out = jax.jvp(
-        lambda r, l: list(apply(tuple(r), tuple(l))),
-        (list(res), list(lin)),
-        (list(map(_ad.instantiate_zeros, d_res)), list(map(_ad.instantiate_zeros, d_lin))),
+        along_moving, [primals[i] for i in moving], [tangents[i] for i in moving]
     )
     return list(out), list(tangent_out)
 
