@@ -521,12 +521,11 @@ def _central_differences(t: _Trace, k: int, index: jax.Array) -> list:
     ``f``: over the columns, and over the two signs of each column's step.
     """
     xk = t.x[k]
-    steps = jnp.stack([t.eps, -t.eps])
 
     def column(i: jax.Array) -> tuple:
         e = _one_hot(i, xk.shape)
-        ys = _batched(lambda h: t.f(_replace(t.x, k, xk + h * e)), steps, 2, t.per_item, t.notes, "fn")
-        return tuple(((y[0] - y[1]) / (2 * t.eps)).reshape(-1) for y in ys)
+        ys = _batched(lambda h: t.f(_replace(t.x, k, xk + h * e)), t.steps, 2, t.per_item, t.notes, "fn")
+        return tuple(((y[0] - y[1]) * t.scale).reshape(-1) for y in ys)
 
     return list(_batched(column, index, index.shape[0], 2 * t.per_item, t.notes, "fn"))
 
@@ -542,7 +541,7 @@ def _compare_columns(t: _Trace, k: int, references: list[tuple[int, jax.Array]])
     """
     n = _size(t.x[k])
     if n == 0 or not references:
-        return [jnp.float64(-1.0)] * len(references)
+        return [jnp.bool_(False)] * len(references)
     b = max(1, min(n, _BATCH_BYTES // (2 * 8 * max(1, t.per_item))))
     if b == n:
         numerical = _central_differences(t, k, jnp.arange(n))
@@ -555,7 +554,7 @@ def _compare_columns(t: _Trace, k: int, references: list[tuple[int, jax.Array]])
         numerical = _central_differences(t, k, index)
         return jnp.stack([_failure(block[index], numerical[j], t.atol, t.rtol) for j, block in references])
 
-    return list(jnp.max(lax.map(failures, chunks), axis=0))
+    return list(jnp.any(lax.map(failures, chunks), axis=0))
 
 
 def _vjp_rows(t: _Trace, j: int) -> tuple:
@@ -586,26 +585,45 @@ def _jvp_columns(t: _Trace, k: int) -> list:
 
 
 def _failure(a: jax.Array, n: jax.Array, atol: Any, rtol: Any) -> jax.Array:
-    """Positive exactly where ``allclose(a, n, rtol, atol)`` fails (NaN fails too): one reduction."""
-    diff = jnp.abs(a - n)
-    ok = diff <= atol + rtol * jnp.abs(n)
-    return jnp.max(jnp.where(ok, -1.0, jnp.where(jnp.isnan(diff), jnp.inf, diff)), initial=-1.0)
+    """Whether ``allclose(a, n, rtol, atol)`` fails (NaN fails too).
+
+    A boolean reduction, which XLA fuses with the comparison (and with the
+    differences that produce ``n``): no Jacobian-sized array is stored.
+    """
+    return jnp.any(~(jnp.abs(a - n) <= atol + rtol * jnp.abs(n)))
 
 
 def _mismatch_row(a: jax.Array, n: jax.Array, atol: Any, rtol: Any) -> jax.Array:
-    """One summary row for a small comparison: [failure, max |a - n|, elements failing]."""
+    """One summary row for a small comparison: [failed, max |a - n|, elements failing]."""
     diff = jnp.abs(a - n)
     failing = ~(diff <= atol + rtol * jnp.abs(n))
     worst = jnp.max(jnp.where(jnp.isnan(diff), jnp.inf, diff), initial=0.0)
-    return jnp.stack([_failure(a, n, atol, rtol), worst, jnp.sum(failing).astype(jnp.float64)])
+    return jnp.stack([jnp.any(failing), worst, jnp.sum(failing)]).astype(jnp.float64)
+
+
+class _Numbers(NamedTuple):
+    """The checking program's numeric arguments: changing them does not recompile.
+
+    The finite-difference steps and their scale come in ready-made, so the
+    program computes no scalars of its own (each would be a kernel to compile).
+    """
+
+    steps: np.ndarray  # [eps, -eps]
+    scale: float  # 1 / (2 eps)
+    atol: float
+    rtol: float
+
+    @classmethod
+    def of(cls, tol: _Tolerances) -> _Numbers:
+        return cls(np.array([tol.eps, -tol.eps]), 1.0 / (2.0 * tol.eps), tol.atol, tol.rtol)
 
 
 class _Trace:
     """What the pieces of one trace of the checking program share."""
 
-    def __init__(self, f, x, options, notes, eps, atol, rtol, directions, report):
+    def __init__(self, f, x, options, notes, numbers, directions, report):
         self.f, self.x, self.options, self.notes = f, x, options, notes
-        self.eps, self.atol, self.rtol = eps, atol, rtol
+        self.steps, self.scale, self.atol, self.rtol = numbers
         self.directions, self.report = directions, report
         if options.check_backward_ad:
             self.ys, self.pullback = jax.vjp(f, x)
@@ -616,9 +634,9 @@ class _Trace:
         self.rows: list = []
 
     def add(self, check: str, j: int, k: int, row: jax.Array) -> None:
-        """Adds a summary row: [failure, max |a - n|, elements failing]."""
+        """Adds a summary row: [failed, max |a - n|, elements failing], or just ``failed``."""
         self.notes.rows.append((check, j, k))
-        self.rows.append(row if row.ndim else jnp.stack([row, jnp.nan, jnp.nan]))
+        self.rows.append(row)
 
     def compare(self, check: str, j: int, k: int, a: jax.Array, n: jax.Array) -> None:
         self.add(check, j, k, _mismatch_row(a, n, self.atol, self.rtol))
@@ -678,7 +696,7 @@ def _batched_backward(t: _Trace) -> None:
 class _Output(NamedTuple):
     """What one run of a checking program returns (device arrays)."""
 
-    summary: jax.Array  # one row per notes.rows entry: [failure, max |a - n|, elements failing]
+    summary: list  # one row per notes.rows entry: [failed, max |a - n|, elements failing], or failed
     analytical: Any  # what a rerun must reproduce exactly (the nondet_tol check)
     blocks: dict  # slow report: full Jacobians; fast mode: directional derivatives
 
@@ -691,10 +709,10 @@ def _build_program(evaluate: Callable, options: _Options, notes: _Notes, report:
     """
     body = _fast_body if options.fast_mode else _slow_body
 
-    def program(x_in: tuple, fixed: tuple, eps: Any, atol: Any, rtol: Any, directions: tuple) -> _Output:
+    def program(x_in: tuple, fixed: tuple, numbers: _Numbers, directions: tuple) -> _Output:
         notes.reset()
         x = tuple(_real_view(jnp.asarray(v)) for v in x_in)
-        t = _Trace(lambda xs: evaluate(xs, fixed), x, options, notes, eps, atol, rtol, directions, report)
+        t = _Trace(lambda xs: evaluate(xs, fixed), x, options, notes, numbers, directions, report)
         analytical, blocks = body(t)
         if t.pullback is not None and options.check_undefined_grad and len(t.ys) > 1:
             _undefined_backward(t)
@@ -702,8 +720,7 @@ def _build_program(evaluate: Callable, options: _Options, notes: _Notes, report:
             _batched_backward(t)
         if options.check_forward_ad and options.check_undefined_grad and len(x) > 1:
             _undefined_forward(t)
-        summary = jnp.stack(t.rows) if t.rows else jnp.zeros((0, 3))
-        return _Output(summary, analytical, blocks)
+        return _Output(t.rows, analytical, blocks)
 
     return jax.jit(program)
 
@@ -744,9 +761,8 @@ def _fast_body(t: _Trace) -> tuple:
     us, vs = t.directions
     numerical = []  # [k][j]: J_jk u_k by central differences
     for k, (xk, u) in enumerate(zip(t.x, us)):
-        steps = jnp.stack([t.eps, -t.eps])
-        out = _batched(lambda h: t.f(_replace(t.x, k, xk + h * u)), steps, 2, t.per_item, t.notes, "fn")
-        numerical.append([(y[0] - y[1]).reshape(-1) / (2 * t.eps) for y in out])
+        out = _batched(lambda h: t.f(_replace(t.x, k, xk + h * u)), t.steps, 2, t.per_item, t.notes, "fn")
+        numerical.append([((y[0] - y[1]) * t.scale).reshape(-1) for y in out])
     blocks: dict = {"numerical": numerical}
     analytical = []  # [j][k]: v_j^T J_jk
     if t.pullback is not None:
@@ -830,7 +846,7 @@ class _Checker:
         self.rerun = False  # whether to run twice for nondet_tol (decided at the first trace)
 
     def run(self, diff: list, fixed: list, tol: _Tolerances, report: bool = False) -> _Output:
-        args = (tuple(diff), tuple(fixed), tol.eps, tol.atol, tol.rtol)
+        args = (tuple(diff), tuple(fixed), _Numbers.of(tol))
         if report not in self._compiled:
             self._compiled[report] = self._compile(args, report)
         return self._compiled[report](*args, self.directions)
@@ -918,7 +934,7 @@ def _check(fn, args, options, tol, naming) -> None:
             )
     checker = _checker(fn, partition, diff, fixed, options)
     out = checker.run(diff, fixed, tol)
-    summary = np.asarray(out.summary)
+    summary = _summary(out)
     for message in _trace_warnings(checker, naming):
         _warn(message)
     problems: list[str] = []
@@ -955,6 +971,12 @@ def _check(fn, args, options, tol, naming) -> None:
 
 
 _JACOBIANS = ("backward", "forward")
+
+
+def _summary(out: _Output) -> list[np.ndarray]:
+    """The summary rows on the host, each as [failed, max |a - n|, elements failing]."""
+    rows = jax.device_get(out.summary)
+    return [np.asarray(r, dtype=np.float64).reshape(-1).tolist() + [np.nan] * (3 - np.size(r)) for r in rows]
 
 
 def _warn(message: str) -> None:
@@ -1018,7 +1040,7 @@ def _fast_mode_problems(checker: _Checker, out: _Output, tol: _Tolerances, namin
 def _jacobian_report(checker, diff, fixed, tol, naming) -> tuple[list[str], list[JacobianMismatch]]:
     """Runs the report variant of the program and describes every mismatching block."""
     out = checker.run(diff, fixed, tol, report=True)
-    summary = np.asarray(out.summary)
+    summary = _summary(out)
     problems, mismatches = [], []
     for (check, j, k), s in zip(checker.notes.rows, summary):
         if check in _JACOBIANS and s[0] > 0:
