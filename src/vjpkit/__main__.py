@@ -53,9 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--inputs", required=True, metavar="SPEC",
                        help='input dtypes and shapes, e.g. "f64[20,20] f64[30,20]"')
     check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    check.add_argument("--eps", type=float, default=1e-6)
-    check.add_argument("--atol", type=float, default=1e-5)
-    check.add_argument("--rtol", type=float, default=1e-3)
+    check.add_argument("--eps", type=float, default=1e-6, help="finite-difference step (default 1e-6)")
+    check.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
+    check.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
     check.add_argument("--fast", action="store_true", help="fast mode (random projections)")
     check.add_argument("--gradgrad", action="store_true", help="also run gradgradcheck")
     check.add_argument("--forward-ad", action="store_true", help="also check forward mode (jvp)")
