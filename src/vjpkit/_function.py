@@ -549,9 +549,11 @@ def function(cls: type | None = None, /, **options: Any) -> Any:
 
         Exp(x); Exp.apply(x)            # both call it
 
-    Options: ``jit`` (default True) and ``cache_size`` (programs kept per
-    class, default 256), the same as the class attributes of
-    :class:`Function`.
+    Options, the same as the class attributes of :class:`Function`:
+    ``jit`` (default True), ``cache_size`` (programs kept per class, default
+    256), ``host`` (forward and backward in NumPy, run through
+    ``jax.pure_callback``; default False) and ``vmap_method`` (for host
+    Functions: ``"sequential"``, ``"expand_dims"`` or ``"broadcast_all"``).
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
