@@ -42,6 +42,9 @@ Tips:
   scalar.
 - ``fast_mode=True`` compares random projections ``v^T J u`` only (cheap for
   large inputs); on failure it reruns the full check for the report.
+- Complex leaves are checked as pairs of reals (``"real"``/``"imag"`` in
+  reports), which tests JAX's convention for complex VJPs, not PyTorch's
+  conjugate one.
 """
 
 from __future__ import annotations
