@@ -486,6 +486,79 @@ def test_fast_mode_checks_forward_ad_too():
                                 raise_exception=False)
 
 
+class Mul(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, y)
+        ctx.save_for_forward(x, y)
+        return x * y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * y, g * x
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        x, y = ctx.saved_tensors
+        out = jnp.zeros_like(x)
+        if tx is not None:
+            out = out + tx * y
+        if ty is not None:
+            out = out + x * ty
+        return out
+
+
+class MulAssumingTangents(Mul):
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        x, y = ctx.saved_tensors
+        return tx * y + x * ty  # fails on None
+
+
+class MulWrongWhenUndefined(Mul):
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        x, y = ctx.saved_tensors
+        if ty is None:
+            return 2 * tx * y
+        return tx * y + x * ty if tx is not None else x * ty
+
+
+def test_jvp_handling_undefined_tangents_passes():
+    assert vjpkit.gradcheck(Mul.apply, (V, V[::-1]), check_forward_ad=True)
+
+
+def test_jvp_failing_on_undefined_tangent_is_reported():
+    with pytest.raises(vjpkit.GradcheckError, match=r"(?s)Forward mode failed with undefined input tangents: "
+                       r"differentiating with respect to input 0 alone .*raised TypeError"):
+        vjpkit.gradcheck(MulAssumingTangents.apply, (V, V[::-1]), check_forward_ad=True)
+
+
+def test_jvp_wrong_for_undefined_tangent_is_reported():
+    with pytest.raises(vjpkit.GradcheckError, match="Forward mode mishandles undefined input tangents: "
+                       "for output 0 with respect to input 0"):
+        vjpkit.gradcheck(MulWrongWhenUndefined.apply, (V, V[::-1]), check_forward_ad=True)
+
+
+def test_fast_mode_forward_mismatch_is_reported():
+    with pytest.raises(vjpkit.GradcheckError, match="Fast-mode Jacobian computed with forward mode mismatch for "
+                       "output 0 with respect to input 0: J u differs from the numerical J u by up to"):
+        vjpkit.gradcheck(SinWithWrongJvp.apply, (V,), fast_mode=True, check_forward_ad=True)
+
+
+def test_fast_mode_failure_that_slow_mode_passes_says_so():
+    # Every element is 0.09% off (within rtol=0.1%), always upwards, while the signs of
+    # the derivatives alternate: the projection v^T J u nearly cancels, its error does not.
+    signs = np.where(np.arange(400) % 2 == 0, 1.0, -1.0)
+    f = custom_vjp(lambda x: x * signs, lambda x, g: (g * (signs + 9e-4),))
+    with pytest.raises(vjpkit.GradcheckError, match="The full Jacobians \\(slow mode\\) agree element by element "
+                       "within atol and rtol: fast mode failed only through its projected tolerance"):
+        vjpkit.gradcheck(f, (np.ones(400),), atol=0.0, fast_mode=True)
+    assert vjpkit.gradcheck(f, (np.ones(400),), atol=0.0)
+
+
 # ---------------------------------------------------------------------------
 # Precision: float64 for gradcheck's own work, nothing leaks out.
 

@@ -660,16 +660,14 @@ def _undefined_backward(t: _Trace) -> None:
             t.compare("undefined_backward", j, k, got[k], expected[k])
 
 
-def _undefined_forward(t: _Trace) -> None:
+def _undefined_forward(t: _Trace, failing_alone: frozenset) -> None:
     """Each input differentiated alone: the others' tangents are symbolic zeros (undefined)."""
     zeros = tuple(jnp.zeros_like(v) for v in t.x)
     for k, xk in enumerate(t.x):
-        tangent = _probe(xk.shape, salt=13 + k)
-        try:
-            _, got = jax.jvp(lambda v, k=k: t.f(_replace(t.x, k, v)), (xk,), (tangent,))
-        except Exception as e:
-            t.notes.undefined_errors[("forward", k)] = e
+        if k in failing_alone:
             continue
+        tangent = _probe(xk.shape, salt=13 + k)
+        _, got = jax.jvp(lambda v, k=k: t.f(_replace(t.x, k, v)), (xk,), (tangent,))
         _, expected = jax.jvp(t.f, (t.x,), (_replace(zeros, k, tangent),))
         for j in range(len(got)):
             t.compare("undefined_forward", j, k, got[j], expected[j])
@@ -704,11 +702,14 @@ class _Output(NamedTuple):
     blocks: dict  # slow report: full Jacobians; fast mode: directional derivatives
 
 
-def _build_program(evaluate: Callable, options: _Options, notes: _Notes, report: bool) -> Callable:
+def _build_program(evaluate: Callable, options: _Options, notes: _Notes, report: bool,
+                   failing_alone: frozenset = frozenset()) -> Callable:
     """The jitted check of ``evaluate``: derivatives, comparisons and the extra checks, in one program.
 
     Tolerances and ``eps`` are arguments, so changing them does not recompile.
     ``report`` selects the variant that also returns the full Jacobians.
+    ``failing_alone``: inputs along which, alone, forward mode is known to
+    raise (left out of the undefined-tangent check; reported from the probe).
     """
     body = _fast_body if options.fast_mode else _slow_body
 
@@ -722,7 +723,7 @@ def _build_program(evaluate: Callable, options: _Options, notes: _Notes, report:
         if t.pullback is not None and options.check_batched_grad:
             _batched_backward(t)
         if options.check_forward_ad and options.check_undefined_grad and len(x) > 1:
-            _undefined_forward(t)
+            _undefined_forward(t, failing_alone)
         return _Output(t.rows, analytical, blocks)
 
     return jax.jit(program)
@@ -798,23 +799,37 @@ def _real_view_shapes(inputs: list[_Port]) -> tuple:
     )
 
 
-def _missing_forward_mode(evaluate: Callable, inputs: list[_Port], fixed: list) -> BaseException | None:
-    """The error ``jax.jvp`` of ``fn`` raises when fn has no forward mode, else None.
+def _forward_mode_errors(evaluate: Callable, inputs: list[_Port], fixed: list,
+                         each_input: bool) -> tuple[BaseException | None, dict[int, BaseException]]:
+    """What ``jax.jvp`` of ``fn`` raises: when fn has no forward mode, and, with
+    ``each_input``, when differentiated along one input alone (the other
+    inputs' tangents undefined: ``None`` in a vjpkit Function's ``jvp``).
 
-    A vjpkit Function without ``jvp`` raises while tracing; a plain
-    ``jax.custom_vjp`` only when the JVP is lowered, so this lowers a probe
-    (no compilation) before forward mode goes into the checking program.
+    These are found by lowering probes (no compilation) before forward mode
+    goes into the checking program: a vjpkit Function without ``jvp`` raises
+    while tracing, but a plain ``jax.custom_vjp`` only when the JVP is
+    lowered, and a vjpkit Function's ``jvp`` itself runs at lowering.
     """
     x = _real_view_shapes(inputs)
+
+    def lower(jvp: Callable) -> None:
+        jax.jit(jvp).lower(x, tuple(fixed))
+
     try:
-        jax.jit(lambda x, fixed: jax.jvp(lambda xs: evaluate(xs, fixed), (x,), (x,))).lower(x, tuple(fixed))
+        lower(lambda x, fixed: jax.jvp(lambda xs: evaluate(xs, fixed), (x,), (x,)))
     except TypeError as e:
         # JAX: "can't apply forward-mode autodiff (jvp) to a custom_vjp function";
         # vjpkit: "<Name> has no forward-mode derivative ...: it defines backward but no jvp".
         if "forward-mode" not in str(e):
             raise
-        return e
-    return None
+        return e, {}
+    undefined = {}
+    for k in range(len(x)) if each_input else ():
+        try:
+            lower(lambda x, fixed, k=k: jax.jvp(lambda v: evaluate(_replace(x, k, v), fixed), (x[k],), (x[k],)))
+        except Exception as e:  # e.g. a jvp computing None * x
+            undefined[k] = e
+    return None, undefined
 
 
 def _has_host_calls(jaxpr: Any) -> bool:
@@ -845,6 +860,7 @@ class _Checker:
         self.evaluate = _evaluator(fn, partition, self.inputs, self.notes)
         self._compiled: dict[bool, Callable] = {}  # report variant or not -> compiled program
         self.forward_unavailable: BaseException | None = None  # why fn has no forward mode
+        self.forward_undefined_errors: dict[int, BaseException] = {}  # input alone -> jvp's error
         self.directions: tuple = ()  # fast mode's (us, vs)
         self.rerun = False  # whether to run twice for nondet_tol (decided at the first trace)
 
@@ -858,13 +874,16 @@ class _Checker:
         if not self._compiled:  # the first program: learn what fn supports
             fixed = args[1]
             if self.options.check_forward_ad:
-                self.forward_unavailable = _missing_forward_mode(self.evaluate, self.inputs, fixed)
+                each_input = self.options.check_undefined_grad and len(self.inputs) > 1
+                self.forward_unavailable, self.forward_undefined_errors = _forward_mode_errors(
+                    self.evaluate, self.inputs, fixed, each_input)
             if self.options.fast_mode:
                 self.directions = _random_directions(self.evaluate, self.inputs, fixed)
         options = self.options
         if self.forward_unavailable is not None:
             options = options._replace(check_forward_ad=False)
-        traced = _build_program(self.evaluate, options, self.notes, report).trace(*args, self.directions)
+        program = _build_program(self.evaluate, options, self.notes, report, frozenset(self.forward_undefined_errors))
+        traced = program.trace(*args, self.directions)
         if not report:
             self.rerun = jax.default_backend() != "cpu" or _has_host_calls(traced.jaxpr)
         return traced.lower().compile()
@@ -1120,7 +1139,8 @@ def _describe(m: JacobianMismatch, tol: _Tolerances) -> str:
 def _other_problems(checker: _Checker, summary: np.ndarray, naming: _Naming) -> list[str]:
     """Reports of check_undefined_grad and check_batched_grad."""
     notes, problems = checker.notes, []
-    for (mode, index), e in notes.undefined_errors.items():
+    forward_errors = {("forward", k): e for k, e in checker.forward_undefined_errors.items()}
+    for (mode, index), e in {**notes.undefined_errors, **forward_errors}.items():
         if mode == "backward":
             out = notes.outputs[index]
             problems.append(
