@@ -206,6 +206,26 @@ def test_complex_mismatch_names_real_and_imaginary_parts():
     assert m.input_element[-1] in ("real", "imag") and m.output_element[-1] in ("real", "imag")
 
 
+def test_output_marked_non_differentiable_is_compared_with_a_hint():
+    class SinAndSorted(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            s = jnp.sort(x)
+            ctx.mark_non_differentiable(s)
+            ctx.save_for_backward(x)
+            return jnp.sin(x), s
+
+        @staticmethod
+        def backward(ctx, g, g_sorted):
+            (x,) = ctx.saved_tensors
+            return g * jnp.cos(x)
+
+    with pytest.raises(vjpkit.GradcheckError, match="(?s)^Jacobian mismatch for output 1 with respect to input 0:"
+                       ".*The analytical Jacobian is zero. If output 1 is not meant to be differentiated"):
+        vjpkit.gradcheck(SinAndSorted.apply, (V,))
+    assert vjpkit.gradcheck(lambda x: SinAndSorted.apply(x)[0], (V,))
+
+
 def test_every_mismatching_pair_is_reported():
     f = custom_vjp(linear, lambda x, w, g: (2 * (g @ w), 2 * (g.T @ x)))
     assert [(m.output_index, m.input_index) for m in mismatches(f, (X, W))] == [(0, 0), (0, 1)]

@@ -1133,7 +1133,17 @@ def _describe(m: JacobianMismatch, tol: _Tolerances) -> str:
         f"    {_format_matrix(m.numerical)}\n"
         f"  analytical Jacobian{mode}, same layout:\n"
         f"    {_format_matrix(m.analytical)}"
+        + (_ZERO_HINT.format(output=m.output) if not np.any(m.analytical) else "")
     )
+
+
+# PyTorch's gradcheck skips outputs that do not require grad; in JAX an output
+# carries no such flag, so one marked non-differentiable is compared like any other.
+_ZERO_HINT = (
+    "\n  The analytical Jacobian is zero. If {output} is not meant to be differentiated "
+    "(ctx.mark_non_differentiable, stop_gradient), leave it out of the outputs of the "
+    "function you check, e.g. lambda *a: f(*a)[0]."
+)
 
 
 def _other_problems(checker: _Checker, summary: np.ndarray, naming: _Naming) -> list[str]:
