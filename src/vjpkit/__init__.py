@@ -10,6 +10,7 @@ from ._ctx import FunctionCtx
 from ._function import CacheInfo, Function, function
 from ._gradcheck import GradcheckError, gradcheck, gradgradcheck
 from ._once import once_differentiable
+from . import testing
 
 __all__ = [
     "CacheInfo",
@@ -21,4 +22,5 @@ __all__ = [
     "gradcheck",
     "gradgradcheck",
     "once_differentiable",
+    "testing",
 ]

@@ -38,8 +38,8 @@ from ._outputs import (
 
 __all__ = ["Function", "function", "CacheInfo"]
 
-# The concrete type of a committed, non-traced jax.Array: the fast path's test.
-_ArrayImpl = type(jnp.zeros(()))
+# The concrete type of a non-traced jax.Array: the fast path's test.
+_ArrayImpl = _jax_internals.ArrayImpl
 
 
 class CacheInfo(NamedTuple):

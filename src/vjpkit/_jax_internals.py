@@ -12,13 +12,14 @@ from typing import Any, Callable, Sequence
 
 import jax
 from jax._src import config as _config
+from jax._src.array import ArrayImpl
 from jax._src import core as _core
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 
-__all__ = ["current_trace", "EvalTrace", "is_staging", "called_from_forward_mode", "linear_call", "symbolic_zero_like", "varying_axes"]
+__all__ = ["ArrayImpl", "current_trace", "EvalTrace", "is_staging", "called_from_forward_mode", "linear_call", "symbolic_zero_like", "varying_axes"]
 
 _DynamicJaxprTrace = _pe.DynamicJaxprTrace
 _JVP_CUSTOM_VJP_CODE = _ad.JVPTrace.process_custom_vjp_call.__code__
