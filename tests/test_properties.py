@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable
 
 import chex
@@ -349,7 +350,7 @@ def transformed(program: Program, transform: str, jit: bool, lib: dict | None) -
     return _transformed(program, transform, jit, None if lib is None else tuple(sorted(lib.items())))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
 def _transformed(program: Program, transform: str, jit: bool, lib_items: tuple | None) -> Callable:
     lib = None if lib_items is None else dict(lib_items)
     out = functools.partial(program.output, lib=lib)
@@ -487,15 +488,24 @@ def inputs(program: Program, dtype: str, seed: int) -> tuple[list, list]:
     return floats, ints
 
 
-def check(program: Program, transform: str, jit: bool, dtype: str, seed: int, lib: dict = LIBRARY) -> None:
+_EXAMPLES = itertools.count(1)
+
+
+def check(program: Program, transform: str, jit: bool, dtype: str, seed: int, lib: dict = LIBRARY,
+          tolerances: dict | None = None) -> None:
     """vjpkit's result equals plain jnp's, both under the same transformation stack."""
     __tracebackhide__ = True
+    if next(_EXAMPLES) % 1000 == 0:
+        # JAX keeps every program it compiles (about 1.4 MB per example here);
+        # long runs (the thorough profile) would grow without bound.
+        _transformed.cache_clear()
+        jax.clear_caches()
     with jax.enable_x64(dtype == "float64"):
         floats, ints = inputs(program, dtype, seed)
         got = transformed(program, transform, jit, lib)(floats, ints)
         expected = transformed(program, transform, jit, None)(floats, ints)
         chex.assert_trees_all_equal_shapes_and_dtypes(got, expected)
-        chex.assert_trees_all_close(got, expected, **TOLERANCES[dtype])
+        chex.assert_trees_all_close(got, expected, **(tolerances or TOLERANCES[dtype]))
 
 
 # ---------------------------------------------------------------------------
@@ -568,9 +578,11 @@ def test_the_mutation_is_caught_by_gradcheck_with_tight_tolerances():
 @_fraction(6)
 @given(programs(forward_mode=False), st.integers(0, 2**16))
 def test_random_programs_using_the_mutated_sin_are_caught(program, seed):
-    # Any program whose gradient passes through sin at all must fail.
+    # Any program whose gradient passes through sin at all must fail. With a
+    # purely relative tolerance: a gradient below atol / 1e-6 in size (e.g.
+    # sin(x)**8 near 0) hides a 1e-6 relative error inside atol.
     assume(np.prod(program.shape) > 0)
     program = Program(program.shape, (Stage("sin"), *program.stages))
     check(program, "grad", True, "float64", seed)
     with pytest.raises(AssertionError):
-        check(program, "grad", True, "float64", seed, lib=MUTATED)
+        check(program, "grad", True, "float64", seed, lib=MUTATED, tolerances=dict(rtol=1e-10, atol=0.0))
