@@ -31,7 +31,6 @@ from ._ctx import FunctionCtx, _short_repr, is_array
 from ._once import call_without_derivative
 from ._outputs import (
     Packed,
-    check_backward_outputs,
     differentiable_outputs,
     is_differentiable_dtype,
     output_cotangents,
@@ -182,16 +181,7 @@ class _Rule:
         grads = output_cotangents(
             self.out_layout, full, self.out_avals, self.differentiable, self.materialize
         )
-        ctx = self._ctx("backward", residuals)
-        try:
-            result = self.spec.backward(ctx, *grads)
-        finally:
-            ctx._vjpkit_open = False
-        per_leaf = check_backward_outputs(
-            self.name, result, program.param_treedefs, program.names, self.in_kinds, self.needs
-        )
-        if program.anomaly:
-            program.check_gradients(per_leaf)
+        per_leaf = program.run_backward(self._ctx("backward", residuals), grads, self.in_kinds, self.needs)
         return [
             jnp.zeros(*self.in_avals[d]) if per_leaf[d] is None else per_leaf[d]
             for d in self.linear

@@ -283,16 +283,20 @@ class _Program:
         ctx._vjpkit_saved = saved
         ctx._vjpkit_materialize = meta.materialize
         ctx.__dict__.update(attributes)
+        return self.run_backward(ctx, grads, meta.in_kinds, meta.needs)
+
+    def run_backward(self, ctx: FunctionCtx, grads: tuple, in_kinds: tuple, needs: tuple) -> list:
+        """The user's backward, its result checked: one cotangent (or None) per array input leaf."""
         try:
-            result = spec.backward(ctx, *grads)
+            result = self.spec.backward(ctx, *grads)
         finally:
             ctx._vjpkit_open = False
-        grads = check_backward_outputs(
-            spec.name, result, self.param_treedefs, self.names, meta.in_kinds, meta.needs
+        cotangents = check_backward_outputs(
+            self.spec.name, result, self.param_treedefs, self.names, in_kinds, needs
         )
         if self.anomaly:
-            self.check_gradients(grads)
-        return grads
+            self.check_gradients(cotangents)
+        return cotangents
 
     # -- vjpkit.detect_anomaly ----------------------------------------------
 

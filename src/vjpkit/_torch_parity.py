@@ -28,7 +28,7 @@ runs, and without it the calling test is skipped (``pytest.skip``).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
