@@ -75,6 +75,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
@@ -88,6 +89,9 @@ _CXX_FLAGS = ("-std=c++17", "-O2")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HANDLER_SYMBOL = re.compile(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)")
 _VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
+# What setuptools' customize_compiler reads (from Python's build configuration,
+# overridden by the environment) to choose the compiler and its flags.
+_COMPILER_VARIABLES = ("CC", "CXX", "LDSHARED", "CFLAGS", "CPPFLAGS", "LDFLAGS", "CCSHARED", "AR", "ARFLAGS")
 
 # Targets registered with XLA in this process: registering a name twice is an
 # error in some JAX versions, and a second load_inline of the same source is not.
@@ -253,7 +257,7 @@ def jax_ffi_api() -> JaxFfiApi:
     try:
         from jax import ffi
     except ImportError:
-        from jax.extend import ffi  # type: ignore[no-redef]
+        from jax.extend import ffi  # type: ignore[attr-defined, no-redef]
 
     def ffi_call(target_name: str, result_shape_dtypes: Any, vmap_method: str) -> Callable[..., Any]:
         return ffi.ffi_call(target_name, result_shape_dtypes, vmap_method=vmap_method)
@@ -279,10 +283,10 @@ class _Compiler:
         return self._ccompiler
 
     def signature(self) -> str:
-        """Everything about the build besides the source, for the content hash."""
-        cc = self.ccompiler()
-        commands = [getattr(cc, attribute, None) for attribute in ("compiler_so", "compiler_so_cxx", "compiler_cxx")]
-        return repr((commands, cc.linker_so, self.extra_cflags, self.extra_ldflags, sys.platform))
+        """Everything about the build besides the source, for the content hash (no setuptools needed)."""
+        defaults = sysconfig.get_config_vars(*_COMPILER_VARIABLES)
+        overrides = [os.environ.get(variable) for variable in _COMPILER_VARIABLES]
+        return repr((defaults, overrides, self.extra_cflags, self.extra_ldflags, sys.platform))
 
     def build(self, source: str, library_path: pathlib.Path, *, include_dir: str) -> None:
         cc = self.ccompiler()
@@ -323,14 +327,15 @@ def _new_ccompiler(spawn: Callable[..., None]) -> Any:
         # Importing setuptools first puts its distutils in place of the
         # standard library's (which Python 3.12 no longer has).
         importlib.import_module("setuptools")
-        from distutils import ccompiler, sysconfig
+        from distutils import ccompiler
+        from distutils import sysconfig as distutils_sysconfig
     except ImportError as error:
         raise ImportError(
             "vjpkit.cpp_extension.load_inline needs setuptools to find the C++ compiler and its flags: "
             "pip install setuptools"
         ) from error
     cc = ccompiler.new_compiler()
-    sysconfig.customize_compiler(cc)
+    distutils_sysconfig.customize_compiler(cc)
     # The compiler object runs every command through one overridable method
     # (``spawn``, or ``call`` in newer setuptools): ours captures the output for
     # the error message instead of letting it through to stderr.
