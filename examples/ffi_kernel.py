@@ -13,8 +13,10 @@ JAX-callable functions.
 
 Both kernels treat every leading axis as a batch of independent rows, so
 `vmap_method="broadcast_all"` batches them in one call under `jax.vmap`.
-They handle float32 and float64 (gradcheck runs in float64). The backward
-kernel has no derivative, so backward is `@vjpkit.once_differentiable`.
+They handle float32 and float64 (gradcheck runs in float64). JAX cannot
+differentiate an FFI call, so the Function has first derivatives only
+(a second derivative raises JAX's "The FFI call to ... cannot be
+differentiated"); backward is `@vjpkit.once_differentiable` to say so.
 """
 
 import jax

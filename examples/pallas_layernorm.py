@@ -17,10 +17,11 @@ one kernel, which also writes one partial sum of the weight and bias
 gradients per block of rows; a `jnp.sum` adds the partial sums up (a grid
 step cannot add into another step's output without atomics).
 
-The backward kernel has no derivative of its own (`pallas_call` has no
-transpose rule), so it is marked `@vjpkit.once_differentiable`: gradients,
-`jit`, `vmap` and per-example gradients work; a second derivative raises
-an error naming the class instead of failing deep inside JAX.
+Gradients, `jit`, `vmap` and per-example gradients work. Second
+derivatives do not: they would differentiate the kernels themselves
+(backward's, and forward's, which computed the saved mean and rstd), and a
+`pallas_call` has no transpose rule. Backward is marked
+`@vjpkit.once_differentiable` to say so.
 """
 
 import math
