@@ -58,7 +58,7 @@ Tips:
 - Libraries are cached under ``$VJPKIT_EXTENSIONS_DIR``, else
   ``$XDG_CACHE_HOME/vjpkit/cpp_extensions`` (``~/.cache/...``); delete the
   directory to rebuild everything. ``build_directory=`` overrides it.
-- Changing the source, the flags, the compiler or jaxlib changes the hash:
+- Changing the source, the flags, the compiler or JAX changes the hash:
   a notebook can edit the source and call ``load_inline`` again.
 - Building needs setuptools (for its compiler support); running a cached
   library does not need it.
@@ -82,7 +82,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 
-__all__ = ["BuildError", "Extension", "FfiKernel", "load_inline"]
+__all__ = ["BuildError", "Extension", "FfiKernel", "default_build_directory", "load_inline"]
 
 _SOURCE_PREFIX = '#include "xla/ffi/api/ffi.h"\n#line 1 "<cpp_source>"\n'
 _CXX_FLAGS = ("-std=c++17", "-O2")
@@ -93,9 +93,7 @@ _VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
 # overridden by the environment) to choose the compiler and its flags.
 _COMPILER_VARIABLES = ("CC", "CXX", "LDSHARED", "CFLAGS", "CPPFLAGS", "LDFLAGS", "CCSHARED", "AR", "ARFLAGS")
 
-# Targets registered with XLA in this process: registering a name twice is an
-# error in some JAX versions, and a second load_inline of the same source is not.
-_registered_targets: set[str] = set()
+# One build at a time in this process (other processes: see _Compiler.build).
 _lock = threading.Lock()
 
 
@@ -124,7 +122,7 @@ class FfiKernel:
         self, *args: Any, result_shape_dtypes: Any, vmap_method: str | None = None, **attributes: Any
     ) -> Any:
         method = self.vmap_method if vmap_method is None else _checked_vmap_method(vmap_method)
-        call = jax_ffi_api().ffi_call(self.target_name, _shape_dtypes(result_shape_dtypes), method)
+        call = _jax_ffi_api().ffi_call(self.target_name, _shape_dtypes(result_shape_dtypes), method)
         return call(*args, **attributes)
 
     def __repr__(self) -> str:
@@ -187,8 +185,10 @@ def load_inline(
     Raises:
         BuildError: no C++ compiler was found, or compiling or linking
             failed (the message holds the compiler's output).
-        ValueError: ``name`` or a function name is not a C identifier, or a
-            function is not defined in the compiled library.
+        ValueError: ``name`` or a function name is not a C identifier, a
+            function is not defined in the compiled library, or
+            ``vmap_method`` is unknown.
+        TypeError: ``functions`` is a string, not a list of names.
         ImportError: a build is needed and setuptools is not installed.
     """
     _check_identifier("name", name)
@@ -203,7 +203,7 @@ def load_inline(
         _check_identifier("function name", function)
     method = _checked_vmap_method(vmap_method)
 
-    api = jax_ffi_api()
+    api = _jax_ffi_api()
     compiler = _Compiler(extra_cflags, extra_ldflags, verbose)
     source = _SOURCE_PREFIX + cpp_source
     digest = _content_hash(name, source, compiler.signature(), api.include_dir())
@@ -218,11 +218,11 @@ def load_inline(
         library = ctypes.CDLL(str(library_path))
         kernels = {}
         for function in functions:
+            # The hash in the name keeps an edited source's kernels apart;
+            # registering the same name again (a second load) is harmless.
             target_name = f"{name}_{digest[:16]}.{function}"
-            if target_name not in _registered_targets:
-                symbol = _symbol(library, function, cpp_source, name)
-                api.register_ffi_target(target_name, api.pycapsule(symbol), platform="cpu")
-                _registered_targets.add(target_name)
+            symbol = _symbol(library, function, cpp_source, name)
+            api.register_ffi_target(target_name, api.pycapsule(symbol), platform="cpu")
             kernels[function] = FfiKernel(function, target_name, method)
     return Extension(name, library_path, kernels)
 
@@ -238,7 +238,7 @@ def default_build_directory() -> pathlib.Path:
 # --- JAX-version lookups (supported: JAX 0.4.38 to 0.10.2); to move into _jax_internals.py -------------------
 
 
-class JaxFfiApi(NamedTuple):
+class _JaxFfiApi(NamedTuple):
     include_dir: Callable[[], str]
     pycapsule: Callable[[Any], Any]
     register_ffi_target: Callable[..., None]
@@ -246,7 +246,7 @@ class JaxFfiApi(NamedTuple):
 
 
 @functools.cache
-def jax_ffi_api() -> JaxFfiApi:
+def _jax_ffi_api() -> _JaxFfiApi:
     """JAX's FFI functions, wherever this JAX version keeps them.
 
     Why: the FFI moved from ``jax.extend.ffi`` (JAX 0.4.38) to ``jax.ffi``
@@ -262,7 +262,7 @@ def jax_ffi_api() -> JaxFfiApi:
     def ffi_call(target_name: str, result_shape_dtypes: Any, vmap_method: str) -> Callable[..., Any]:
         return ffi.ffi_call(target_name, result_shape_dtypes, vmap_method=vmap_method)
 
-    return JaxFfiApi(ffi.include_dir, ffi.pycapsule, ffi.register_ffi_target, ffi_call)
+    return _JaxFfiApi(ffi.include_dir, ffi.pycapsule, ffi.register_ffi_target, ffi_call)
 
 
 # --- building ------------------------------------------------------------------------------------------------
