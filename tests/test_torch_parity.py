@@ -549,8 +549,9 @@ def test_second_order_verdict_names_vjpkit_when_finite_differences_side_with_pyt
         assert_matches_torch(TorchReLUSavingOutput, ReLUFromStoppedForward, (AWAY_FROM_ZERO,),
                              check_second_order=True)
     message = str(info.value)
-    assert ("verdict: finite differences of the first derivative (central, eps=1e-06, atol=1e-05, rtol=0.001) "
-            "agree with PyTorch, not with vjpkit: the port's second derivative is the wrong one.") in message
+    assert ("verdict: for the second derivatives with respect to the inputs, finite differences of the first "
+            "derivative (central, eps=1e-06, atol=1e-05, rtol=0.001) agree with PyTorch, not with vjpkit: "
+            "the port's second derivative is the wrong one.") in message
     assert "stop_gradient" in message
 
 
@@ -569,3 +570,31 @@ def test_second_order_verdict_names_pytorch_when_its_backward_uses_a_saved_inter
 def test_second_order_verdict_is_absent_when_second_orders_agree():
     assert_matches_torch(TorchSinhSavingIntermediates, SinhSavingIntermediates, (X,))
     assert_matches_torch(TorchExp, Exp, (X,), check_second_order=True)
+
+
+class ScaleGradient(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 0.5 * g
+
+
+@needs_torch
+def test_second_order_verdict_for_a_backward_that_is_not_forwards_derivative_mentions_it():
+    class TorchScaleGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return 0.5 * g
+
+    with pytest.raises(AssertionError) as info:
+        assert_matches_torch(TorchScaleGradient, ScaleGradient, (X,), check_second_order=True)
+    message = str(info.value)
+    assert "agree with vjpkit, not with PyTorch" in message
+    assert "backward is deliberately not forward's derivative" in message
