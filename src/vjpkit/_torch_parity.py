@@ -278,7 +278,11 @@ def _second_order_verdict(fd: list[np.ndarray], torch_second: list, jax_second: 
         )
     if torch_ok and jax_ok:
         return f"verdict: {said} agree with both within their tolerance: the difference is small."
-    return f"verdict: {said} agree with neither side."
+    return (
+        f"verdict: {said} agree with neither side. When backward is deliberately not forward's derivative "
+        "(a straight-through estimator, gradient scaling), the first derivative is no gradient of anything "
+        "and finite differences cannot judge; otherwise both second derivatives are suspect."
+    )
 
 
 # ---------------------------------------------------------------------------
