@@ -217,16 +217,16 @@ def assert_matches_torch(
             what = [f"the second derivative with respect to input {k} ({names[k]})" for k in diff]
             what += [f"the second derivative with respect to the cotangent of output {j}"
                      for j, d in enumerate(t_differentiable) if d]
-            expected = [np.zeros(g.shape, g.dtype) if tg is None else tg
-                        for tg, g in zip(t_second, j_second, strict=True)]
+            t_second_full = [np.zeros(g.shape, g.dtype) if tg is None else tg
+                             for tg, g in zip(t_second, j_second, strict=True)]
             before = len(report.problems)
-            for w, e, g in zip(what, expected, j_second, strict=True):
+            for w, e, g in zip(what, t_second_full, j_second, strict=True):
                 report.compare(w, e, g)
             if len(report.problems) > before:
                 # Only the inputs' part: the cotangents' part is no directional derivative of one gradient.
                 fd = _central_difference(torch_first, inputs, diff, vs)
                 n = len(diff)
-                report.problems.append(_second_order_verdict(fd, expected[:n], j_second[:n]))
+                report.problems.append(_second_order_verdict(fd, t_second_full[:n], j_second[:n]))
     report.raise_if_any()
 
 
