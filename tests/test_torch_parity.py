@@ -6,8 +6,8 @@ in CI) these tests skip, except the one that checks the skip itself.
 
 import sys
 
-import jax.numpy as jnp
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -298,3 +298,303 @@ def test_skips_when_torch_is_not_importable(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
     with pytest.raises(pytest.skip.Exception, match="needs torch"):
         assert_matches_torch(object, Exp, (X,))
+
+
+# ---------------------------------------------------------------------------
+# Inputs left undifferentiated: needs_input_grad False in both frameworks.
+
+
+class LinearSlipWithoutInputGrad(vjpkit.Function):
+    """Right whenever the input is differentiated; a slip in the weight gradient otherwise."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias):
+        ctx.save_for_backward(input, weight)
+        return input @ weight.T + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        input, weight = ctx.saved_tensors
+        grad_input = g @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = g.T @ input if ctx.needs_input_grad[0] else 2 * g.T @ input
+        return grad_input, grad_weight, g.sum(0)
+
+
+@needs_torch
+def test_differentiate_checks_the_paths_where_an_input_needs_no_gradient():
+    assert_matches_torch(TorchLinearFunction, LinearSlipWithoutInputGrad, (X, W, B))
+    with pytest.raises(AssertionError) as info:
+        assert_matches_torch(TorchLinearFunction, LinearSlipWithoutInputGrad, (X, W, B),
+                             differentiate=(False, True, True))
+    message = str(info.value)
+    assert "in 1 place(s)" in message
+    assert "the gradient with respect to input 1 ('weight'): 6 of 6 elements differ" in message
+
+
+@needs_torch
+def test_differentiate_false_reaches_torch_as_requires_grad_false():
+    seen = []
+
+    class TorchRecordsNeeds(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(tuple(ctx.needs_input_grad))
+            return g * 0 if ctx.needs_input_grad[0] else None, None
+
+    assert_matches_torch(TorchRecordsNeeds, lambda a, b: a * jax.lax.stop_gradient(0 * b),
+                         (X, X), differentiate=[True, False], atol=np.inf)
+    assert seen == [(True, False)]
+
+
+@needs_torch
+def test_differentiate_needs_one_flag_per_input():
+    with pytest.raises(ValueError, match=r"differentiate has 2 flag\(s\) for 3 input\(s\); give one bool per input"):
+        assert_matches_torch(TorchLinearFunction, LinearFunction, (X, W, B), differentiate=(True, True))
+
+
+@needs_torch
+def test_differentiate_rejects_an_input_that_is_not_a_floating_array():
+    with pytest.raises(ValueError, match=r"differentiate\[1\] is True, but input 1 \('constant'\) is a float, "
+                                         r"not a floating or complex array"):
+        assert_matches_torch(TorchMulConstant, MulConstant, (X, 2.5), differentiate=(True, True))
+
+
+# ---------------------------------------------------------------------------
+# In-place originals (mark_dirty) need no clone wrapper.
+
+if torch is not None:
+
+    class TorchAddOneInPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_dirty(x)
+            return x.add_(1)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+
+class AddOneInPlace(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x + 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+@needs_torch
+def test_an_in_place_original_is_called_on_copies_of_the_inputs():
+    x = X.copy()
+    assert_matches_torch(TorchAddOneInPlace, AddOneInPlace, (x,), check_second_order=True)
+    np.testing.assert_array_equal(x, X)  # the caller's array is untouched
+
+
+# ---------------------------------------------------------------------------
+# Complex numbers: PyTorch's gradient is the conjugate of JAX's.
+
+Z = RNG.standard_normal((3, 2)) + 1j * RNG.standard_normal((3, 2))
+Z2 = RNG.standard_normal((3, 2)) + 1j * RNG.standard_normal((3, 2))
+
+if torch is not None:
+
+    class TorchSquare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, z):
+            ctx.save_for_backward(z)
+            return z * z
+
+        @staticmethod
+        def backward(ctx, g):
+            (z,) = ctx.saved_tensors
+            return g * (2 * z).conj()  # PyTorch's convention: conjugate Wirtinger
+
+
+class Square(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return z * z
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        return g * 2 * z  # JAX's convention: the cotangent times the derivative
+
+
+class SquareCopiedVerbatim(vjpkit.Function):
+    """PyTorch's backward copied as it is: conjugated, so wrong in JAX."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return z * z
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        return g * (2 * z).conj()
+
+
+@needs_torch
+def test_identical_complex_outputs_match():
+    assert_matches_torch(lambda z, w: z * w.conj(), lambda z, w: z * jnp.conj(w), (Z, Z2))
+
+
+@needs_torch
+def test_complex_outputs_that_differ_are_reported_with_complex_values():
+    with pytest.raises(AssertionError) as info:
+        assert_matches_torch(lambda z: z * 1j, lambda z: z * 1j + 1e-3, (Z,))
+    message = str(info.value)
+    assert "- output 0: 6 of 6 elements differ" in message
+    assert "j)" in message and "abs diff: 0.001" in message
+
+
+@needs_torch
+def test_a_complex_port_in_jax_convention_matches_pytorch_to_second_order():
+    assert_matches_torch(TorchSquare, Square, (Z,), check_second_order=True)
+
+
+@needs_torch
+def test_a_complex_backward_copied_with_pytorchs_conjugation_is_caught():
+    with pytest.raises(AssertionError, match=r"the gradient with respect to input 0 \('z'\): 6 of 6 elements differ"):
+        assert_matches_torch(TorchSquare, SquareCopiedVerbatim, (Z,))
+
+
+@needs_torch
+def test_a_real_input_with_a_complex_output_matches():
+    assert_matches_torch(lambda x, w: x * w, lambda x, w: x * w, (X[:3, :2], Z), check_second_order=True)
+
+
+# ---------------------------------------------------------------------------
+# Second order through a nonlinear function of the outputs, and the verdict.
+
+if torch is not None:
+
+    class TorchReLUSavingOutput(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = x.clamp(min=0)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * (y > 0)
+
+    class TorchSinhSavingIntermediates(torch.autograd.Function):
+        """pytorch#58509's shape: backward uses intermediates, not outputs."""
+
+        @staticmethod
+        def forward(ctx, x):
+            expx, expnegx = x.exp(), (-x).exp()
+            ctx.save_for_backward(expx, expnegx)
+            return (expx - expnegx) / 2
+
+        @staticmethod
+        def backward(ctx, g):
+            expx, expnegx = ctx.saved_tensors
+            return g * (expx + expnegx) / 2
+
+
+class ReLUFromStoppedForward(vjpkit.Function):
+    """Computes its output with code that has no derivative, then saves it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = jax.lax.stop_gradient(jnp.maximum(x, 0))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (y > 0)
+
+
+class SinhSavingIntermediates(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        expx, expnegx = jnp.exp(x), jnp.exp(-x)
+        ctx.save_for_backward(expx, expnegx)
+        return (expx - expnegx) / 2
+
+    @staticmethod
+    def backward(ctx, g):
+        expx, expnegx = ctx.saved_tensors
+        return g * (expx + expnegx) / 2
+
+
+@needs_torch
+def test_second_order_sees_a_saved_outputs_own_derivative():
+    # With fixed cotangents this second derivative is zero on both sides; through sin(y) it is not.
+    with pytest.raises(AssertionError) as info:
+        assert_matches_torch(TorchReLUSavingOutput, ReLUFromStoppedForward, (AWAY_FROM_ZERO,),
+                             check_second_order=True)
+    message = str(info.value)
+    assert "the second derivative with respect to input 0 ('x'): 3 of 5 elements differ" in message
+
+
+@needs_torch
+def test_second_order_verdict_names_vjpkit_when_finite_differences_side_with_pytorch():
+    with pytest.raises(AssertionError) as info:
+        assert_matches_torch(TorchReLUSavingOutput, ReLUFromStoppedForward, (AWAY_FROM_ZERO,),
+                             check_second_order=True)
+    message = str(info.value)
+    assert ("verdict: for the second derivatives with respect to the inputs, finite differences of the first "
+            "derivative (central, eps=1e-06, atol=1e-05, rtol=0.001) agree with PyTorch, not with vjpkit: "
+            "the port's second derivative is the wrong one.") in message
+    assert "stop_gradient" in message
+
+
+@needs_torch
+def test_second_order_verdict_names_pytorch_when_its_backward_uses_a_saved_intermediate():
+    with pytest.raises(AssertionError) as info:
+        assert_matches_torch(TorchSinhSavingIntermediates, SinhSavingIntermediates, (X,), check_second_order=True)
+    message = str(info.value)
+    assert "the second derivative with respect to input 0 ('x'): 12 of 12 elements differ" in message
+    assert "agree with vjpkit, not with PyTorch: PyTorch's double backward is the wrong one" in message
+    assert "intermediate saved in forward" in message and "pytorch#58509" in message
+    assert vjpkit.gradgradcheck(SinhSavingIntermediates.apply, (X,))
+
+
+@needs_torch
+def test_second_order_verdict_is_absent_when_second_orders_agree():
+    assert_matches_torch(TorchSinhSavingIntermediates, SinhSavingIntermediates, (X,))
+    assert_matches_torch(TorchExp, Exp, (X,), check_second_order=True)
+
+
+class ScaleGradient(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 0.5 * g
+
+
+@needs_torch
+def test_second_order_verdict_for_a_backward_that_is_not_forwards_derivative_mentions_it():
+    class TorchScaleGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return 0.5 * g
+
+    with pytest.raises(AssertionError) as info:
+        assert_matches_torch(TorchScaleGradient, ScaleGradient, (X,), check_second_order=True)
+    message = str(info.value)
+    assert "agree with vjpkit, not with PyTorch" in message
+    assert "backward is deliberately not forward's derivative" in message

@@ -1,0 +1,226 @@
+"""Megatron-LM's tensor-parallel mappings, as vjpkit Functions in ``jax.shard_map``.
+
+Original: NVIDIA/Megatron-LM, megatron/core/tensor_parallel/mappings.py
+(``_CopyToModelParallelRegion``, ``_ReduceFromModelParallelRegion``,
+``_ScatterToModelParallelRegion``, ``_GatherFromModelParallelRegion``):
+each is one collective in forward and its transpose in backward. Pattern:
+identity forward with an all-reduce backward, and the other three pairs.
+
+PyTorch's collectives need a process group per rank; the PyTorch side here
+keeps Megatron's Functions and simulates the R ranks of the tensor-parallel
+group as a leading axis of every tensor (an all-reduce sums over that axis
+and gives every rank the sum). The vjpkit side runs for real on R devices:
+``jax.shard_map`` over the axis ``"tp"``, whose collectives are
+``lax.psum`` and ``lax.all_gather``.
+
+Run by ``test_port_megatron.py`` in a subprocess, because the device count
+is fixed when JAX starts:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/ports/megatron_script.py
+
+Prints one JSON object: for each case, null when it passed, else the error.
+"""
+
+import json
+import os
+import traceback
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import vjpkit  # noqa: E402
+from vjpkit.testing import assert_matches_torch  # noqa: E402
+
+R = 4  # ranks in the tensor-parallel group
+AXIS = "tp"
+
+
+# --- PyTorch, ranks simulated as the leading axis -----------------------------
+
+
+def _reduce(x):
+    """all_reduce(SUM) across ranks: every rank gets the sum."""
+    return x.sum(0, keepdim=True).expand_as(x).clone()
+
+
+def _split_along_last_dim(x):
+    """Rank r keeps its 1/R of the last dimension."""
+    size = x.shape[-1] // R
+    return torch.stack([x[r, ..., r * size:(r + 1) * size] for r in range(R)])
+
+
+def _gather_along_last_dim(x):
+    """Every rank gets all ranks' pieces, concatenated along the last dimension."""
+    full = torch.cat([x[r] for r in range(R)], dim=-1)
+    return full.unsqueeze(0).expand(R, *full.shape).clone()
+
+
+class TorchCopyToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return input_.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce(grad_output)
+
+
+class TorchReduceFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _reduce(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output
+
+
+class TorchScatterToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _split_along_last_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output)
+
+
+class TorchGatherFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _gather_along_last_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split_along_last_dim(grad_output)
+
+
+# --- vjpkit, one rank's view inside shard_map ----------------------------------
+
+
+def split_along_last_dim(x):
+    size = x.shape[-1] // jax.lax.axis_size(AXIS)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(AXIS) * size, size, axis=-1)
+
+
+def gather_along_last_dim(x):
+    return jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)
+
+
+class CopyToModelParallelRegion(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return jax.lax.psum(grad_output, AXIS)
+
+
+class ReduceFromModelParallelRegion(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return jax.lax.psum(input_, AXIS)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output
+
+
+class ScatterToModelParallelRegion(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return split_along_last_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return gather_along_last_dim(grad_output)
+
+
+class GatherFromModelParallelRegion(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return gather_along_last_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return split_along_last_dim(grad_output)
+
+
+MESH = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def on_ranks(port):
+    """The port on R devices: each sees its (1, ...) block of the rank axis.
+
+    ``check_vma=False``: Megatron's backward rules assume that the values a
+    rank holds after a reduce are replicated and that the loss after them is
+    too; with JAX's replication checking, JAX itself would add the transpose
+    of the implicit broadcast of a ``psum`` result (another ``psum``) and
+    the reduce's gradient would be counted R times.
+    """
+    def fn(x):
+        return jax.shard_map(port.apply, mesh=MESH, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False)(x)
+    fn.__name__ = port.__name__
+    return fn
+
+
+PAIRS = {
+    "copy_to_model_parallel_region": (TorchCopyToModelParallelRegion, CopyToModelParallelRegion),
+    "reduce_from_model_parallel_region": (TorchReduceFromModelParallelRegion, ReduceFromModelParallelRegion),
+    "scatter_to_model_parallel_region": (TorchScatterToModelParallelRegion, ScatterToModelParallelRegion),
+    "gather_from_model_parallel_region": (TorchGatherFromModelParallelRegion, GatherFromModelParallelRegion),
+}
+X = np.random.default_rng(9).standard_normal((R, 3, 8))  # rank, tokens, hidden
+
+
+def matches_torch(torch_fn, port):
+    assert_matches_torch(torch_fn, on_ranks(port), (X,))
+
+
+def matches_torch_to_second_order(torch_fn, port):
+    assert_matches_torch(torch_fn, on_ranks(port), (X,), check_second_order=True)
+
+
+def jit_grad_matches_torch(torch_fn, port):
+    leaf = torch.tensor(X, requires_grad=True)
+    (want,) = torch.autograd.grad(torch_fn.apply(leaf.clone()).sin().sum(), leaf)
+    with jax.enable_x64(True):
+        got = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(on_ranks(port)(x)))))(jnp.asarray(X))
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-12)
+
+
+def vmap_inside_shard_map_matches_loop(torch_fn, port):
+    # A batch of independent sequences on every rank: vmap over axis 1 of each rank's block.
+    def batched(x):
+        return jax.vmap(port.apply, in_axes=1, out_axes=1)(x)
+
+    with jax.enable_x64(True):
+        x = jnp.asarray(X)
+        got = jax.shard_map(batched, mesh=MESH, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False)(x)
+        for b in range(X.shape[1]):
+            want = on_ranks(port)(x[:, b])
+            np.testing.assert_allclose(np.asarray(got[:, b]), np.asarray(want), rtol=1e-12)
+
+
+def main():
+    results = {}
+    for name, (torch_fn, port) in PAIRS.items():
+        for check in (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch,
+                      vmap_inside_shard_map_matches_loop):
+            try:
+                check(torch_fn, port)
+                results[f"{name}/{check.__name__}"] = None
+            except Exception:  # noqa: BLE001 - reported to the test
+                results[f"{name}/{check.__name__}"] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
