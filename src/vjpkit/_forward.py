@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from . import _anomaly, _jax_internals
-from ._args import Layout, split_residuals
+from ._args import split_residuals
 from ._ctx import FunctionCtx, _short_repr, is_array
 from ._once import call_without_derivative
 from ._outputs import (
@@ -77,7 +77,7 @@ class _Rule:
         self.perturbed = perturbed = [
             p and is_differentiable_dtype(jnp.result_type(x)) for p, x in zip(perturbed, arrays)
         ]
-        values = program.layout.rebuild(arrays)
+        values = program.layout.combine(arrays)
         ctx = FunctionCtx(self.name, self.needs, values)
         try:
             out = program._run_forward(ctx, values)
@@ -123,7 +123,7 @@ class _Rule:
     # -- the two rules of the linear_call ---------------------------------
 
     def _ctx(self, method: str, residuals: tuple) -> FunctionCtx:
-        saved, saved_forward, attributes = self.residual_layout.rebuild(residuals)
+        saved, saved_forward, attributes = self.residual_layout.combine(residuals)
         ctx = FunctionCtx(self.name, self.needs)
         ctx._vjpkit_method = method
         ctx._vjpkit_saved = saved
@@ -142,11 +142,9 @@ class _Rule:
         for d, t in enumerate(tangent_leaves):
             if t is None and self.materialize and is_differentiable_dtype(self.in_avals[d][1]):
                 tangent_leaves[d] = jnp.zeros(*self.in_avals[d])
-        layout = program.layout
-        tangents = Layout(layout.treedef, tuple((i, None) for i, _ in layout.static), layout.dynamic)
         ctx = self._ctx("jvp", residuals)
         try:
-            result = self.spec.jvp(ctx, *tangents.rebuild(tangent_leaves))
+            result = self.spec.jvp(ctx, *program.layout.combine(tangent_leaves, keep_static=False))
         finally:
             ctx._vjpkit_open = False
         tangents_out = self._check_jvp_outputs(result)
@@ -189,8 +187,9 @@ class _Rule:
 
     def _check_jvp_outputs(self, result: Any) -> list:
         layout, name = self.out_layout, self.name
-        n_outputs = len(layout.treedef.children()) if layout.spread else 1
-        if layout.spread:
+        spread = layout.is_tuple()  # a tuple output: one tangent per element
+        n_outputs = len(layout.treedef.children()) if spread else 1
+        if spread:
             if not isinstance(result, tuple):
                 result = (result,)
             if len(result) != n_outputs:

@@ -7,7 +7,7 @@ The one path for data::
           -> checked gradients
 
 A class becomes a cache of *programs*, one per static part of a call
-(``_args.split_static``). A program owns one ``jax.custom_vjp`` whose
+(``_tree.partition`` of the bound arguments). A program owns one ``jax.custom_vjp`` whose
 primal, forward and backward rules run the user's methods, and one
 ``jax.jit`` of it; JAX's own jit cache then handles shapes and dtypes.
 """
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.errors import TracerArrayConversionError, UnexpectedTracerError
 
 from . import _anomaly, _host, _jax_internals
-from ._args import Layout, Signature, as_jax_leaf, split_residuals, split_static, static_key_of
-from ._ctx import FunctionCtx
+from ._args import Signature, as_jax_leaf, split_residuals
+from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
 from ._once import call_without_derivative, is_once_differentiable
 from ._outputs import (
@@ -35,8 +35,7 @@ from ._outputs import (
     output_cotangents,
     pack_outputs,
 )
-
-__all__ = ["Function", "function", "CacheInfo"]
+from ._tree import Partition, partition
 
 # The concrete type of a non-traced jax.Array: the fast path's test.
 _ArrayImpl = _jax_internals.ArrayImpl
@@ -79,26 +78,15 @@ def _defined(cls: type, method: str) -> Callable | None:
 # Residuals: arrays as pytree children, everything else as static data.
 
 
-class _ResidualMeta:
+class _ResidualMeta(NamedTuple):
     """Static data carried from forward to backward inside the residual treedef."""
 
-    __slots__ = ("layout", "needs", "differentiable", "out_avals", "materialize", "in_kinds", "_key")
-
-    def __init__(self, layout, needs, differentiable, out_avals, materialize, in_kinds):
-        self.layout = layout  # where saved arrays and ctx attributes go
-        self.needs = needs
-        self.differentiable = differentiable
-        self.out_avals = out_avals
-        self.materialize = materialize
-        self.in_kinds = in_kinds
-        self._key = (layout.treedef, tuple((i, static_key_of(v)) for i, v in layout.static),
-                     layout.dynamic, needs, differentiable, out_avals, materialize, in_kinds)
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _ResidualMeta) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
+    layout: Partition  # where saved arrays and ctx attributes go
+    needs: tuple
+    differentiable: tuple
+    out_avals: tuple
+    materialize: bool
+    in_kinds: tuple
 
 
 class _Residuals:
@@ -109,11 +97,7 @@ class _Residuals:
         self.meta = meta
 
 
-jax.tree_util.register_pytree_node(
-    _Residuals,
-    lambda r: (r.arrays, r.meta),
-    lambda meta, arrays: _Residuals(tuple(arrays), meta),
-)
+jax.tree_util.register_dataclass(_Residuals, data_fields=["arrays"], meta_fields=["meta"])
 
 
 def _kind(x: Any) -> tuple:
@@ -127,14 +111,14 @@ def _kind(x: Any) -> tuple:
 class _Program:
     """The ``custom_vjp`` (and its ``jit``) for one static part of a call."""
 
-    def __init__(self, spec: _Spec, layout: Layout, n_values: int, anomaly: bool = False):
+    def __init__(self, spec: _Spec, layout: Partition, n_values: int, anomaly: bool = False):
         self.spec = spec
         self.layout = layout
         self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
         self.names = spec.signature.names(n_values)
         self.param_treedefs = tuple(layout.treedef.children())
-        param_of_leaf = [i for i, td in enumerate(self.param_treedefs) for _ in range(td.num_leaves)]
-        self.param_of_dynamic = tuple(param_of_leaf[k] for k in layout.dynamic)
+        owners = layout.owners()
+        self.param_of_dynamic = tuple(owners[k][0] for k in layout.dynamic)
         self.n_params = n_values
 
         # The differentiable function of the array leaves, returning Packed.
@@ -192,7 +176,7 @@ class _Program:
     # -- the custom_vjp rules ---------------------------------------------
 
     def _primal(self, *arrays: Any) -> Packed:
-        values = self.layout.rebuild(arrays)
+        values = self.layout.combine(arrays)
         ctx = FunctionCtx(self.spec.name, (False,) * self.n_params, values)
         try:
             packed = pack_outputs(self.spec.name, self._run_forward(ctx, values))
@@ -216,7 +200,7 @@ class _Program:
             raise _no_forward_mode(spec)
         arrays = tuple(p.value for p in primals)
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
-        values = self.layout.rebuild(arrays)
+        values = self.layout.combine(arrays)
         ctx = FunctionCtx(spec.name, needs, values)
         try:
             out = self._run_forward(ctx, values)
@@ -236,17 +220,15 @@ class _Program:
     def needs_input_grad(self, perturbed: Any, arrays: Any) -> tuple[bool, ...]:
         """One flag per parameter: whether JAX differentiates any of its float leaves."""
         needs = [False] * self.n_params
-        for param, p, x in zip(self.param_of_dynamic, perturbed, arrays):
+        for param, p, x in zip(self.param_of_dynamic, perturbed, arrays, strict=True):
             if p and is_differentiable_dtype(jnp.result_type(x)):
                 needs[param] = True
         return tuple(needs)
 
     def input_kinds(self, arrays: Any) -> tuple:
         """Per leaf of the bound arguments: None (static) or the array's type."""
-        kinds: list = [None] * self.layout.treedef.num_leaves
-        for k, x in zip(self.layout.dynamic, arrays):
-            kinds[k] = (*_kind(x), _jax_internals.varying_axes(x))
-        return tuple(kinds)
+        kinds = [(*_kind(x), _jax_internals.varying_axes(x)) for x in arrays]
+        return tuple(self.layout.leaves(kinds, keep_static=False))
 
     def _bwd(self, residuals: _Residuals, cotangents: Packed) -> tuple:
         meta = residuals.meta
@@ -277,7 +259,7 @@ class _Program:
 
     def _backward(self, meta: _ResidualMeta, res_arrays: Any, grads: tuple) -> list:
         spec = self.spec
-        saved, attributes = meta.layout.rebuild(res_arrays)
+        saved, attributes = meta.layout.combine(res_arrays)
         ctx = FunctionCtx(spec.name, meta.needs)
         ctx._vjpkit_method = "backward"
         ctx._vjpkit_saved = saved
@@ -306,8 +288,8 @@ class _Program:
 
     def check_gradients(self, grads: list, method: str = "backward") -> None:
         """``grads``: one per array input leaf, as ``check_backward_outputs`` returns them."""
-        labels = _anomaly.input_labels(self.names, self.param_treedefs, self.layout.dynamic)
-        _anomaly.check_finite(self.spec.name, method, list(zip(labels, grads)))
+        labels = _anomaly.input_labels(self.names, self.layout)
+        _anomaly.check_finite(self.spec.name, method, list(zip(labels, grads, strict=True)))
 
 
 _JAX_NO_FORWARD_MODE = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
@@ -363,7 +345,7 @@ class _Cache:
         # arrays: their layout is known without flattening anything.
         self.fast: dict[int, Callable] = {}
 
-    def program(self, key: Any, layout: Layout, n_values: int, anomaly: bool = False) -> tuple[_Program, Callable]:
+    def program(self, key: Any, layout: Partition, n_values: int, anomaly: bool = False) -> tuple[_Program, Callable]:
         """The program for ``key`` and its jit."""
         with self.lock:
             entry = self.programs.get(key)
@@ -381,7 +363,8 @@ class _Cache:
     def call(self, args: tuple, kwargs: dict) -> Any:
         spec = self.spec
         values = spec.signature.bind(args, kwargs)
-        key, layout, arrays = split_static(values)
+        layout, arrays = partition(values, is_array)
+        key = layout.key  # the static part of the call
         anomaly = _anomaly.enabled()
         if anomaly:  # a program with NaN/Inf checks, never on the fast path
             key = ("detect_anomaly", key)

@@ -60,10 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._args import static_key_of
 from ._ctx import is_array
-
-__all__ = ["GradcheckError", "JacobianMismatch", "gradcheck", "gradgradcheck"]
+from ._tree import Partition, partition, static_key
 
 # Largest batch of perturbed inputs (or one-hot cotangents) vmapped at once,
 # in bytes of float64 inputs plus outputs. Beyond it the batch is split into
@@ -353,15 +351,15 @@ def _differentiable_outputs(out: Any) -> list[tuple[tuple, jax.Array]]:
 
 
 # ---------------------------------------------------------------------------
-# The inputs: perturbed, fixed and static leaves (one split, as in _args.py).
+# The inputs: perturbed, fixed and static leaves (the split of _tree.py).
 
 
 def _is_inexact(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-class _Partition:
-    """The leaves of the arguments, sorted into perturbed, fixed and static ones.
+class _Inputs(NamedTuple):
+    """The leaves of the arguments: arrays apart from static leaves, and which arrays are perturbed.
 
     gradcheck perturbs floating and complex arrays only. Integer and bool
     arrays are passed to the compiled program but held fixed; every other
@@ -369,48 +367,32 @@ class _Partition:
     and is part of the cache key, as vjpkit's own argument split does.
     """
 
-    __slots__ = ("treedef", "kinds", "static", "paths", "key")
+    layout: Partition  # array leaves (dynamic) apart from static ones
+    perturbed: tuple  # per array leaf: perturbed (floating or complex) or held fixed
+    sites: tuple  # per array leaf: (argument index, pytree path)
 
-    def __init__(self, treedef: Any, kinds: tuple, static: tuple, paths: tuple):
-        self.treedef = treedef
-        self.kinds = kinds  # "diff" | "fixed" | "static", one per leaf
-        self.static = static  # ((leaf position, value), ...)
-        self.paths = paths  # key path of each leaf
-        self.key = (treedef, kinds, tuple((i, static_key_of(v)) for i, v in static))
+    @property
+    def key(self) -> tuple:
+        return (self.layout.key, self.perturbed)
 
     def merge(self, diff: Sequence, fixed: Sequence) -> tuple:
         """The arguments, with ``diff`` and ``fixed`` in place of those leaves."""
-        leaves: list = [None] * len(self.kinds)
-        for i, value in self.static:
-            leaves[i] = value
         it_diff, it_fixed = iter(diff), iter(fixed)
-        for i, kind in enumerate(self.kinds):
-            if kind == "diff":
-                leaves[i] = next(it_diff)
-            elif kind == "fixed":
-                leaves[i] = next(it_fixed)
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+        return self.layout.combine([next(it_diff) if p else next(it_fixed) for p in self.perturbed])
 
     def diff_sites(self) -> list[tuple[int, str]]:
         """(argument index, pytree path) of each perturbed leaf."""
-        return [_site(p) for p, k in zip(self.paths, self.kinds) if k == "diff"]
+        return [site for site, p in zip(self.sites, self.perturbed, strict=True) if p]
 
 
-def _partition(args: tuple) -> tuple[_Partition, list, list]:
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
-    kinds, static, paths, diff, fixed = [], [], [], [], []
-    for i, (path, leaf) in enumerate(path_leaves):
-        paths.append(path)
-        if is_array(leaf) and _is_inexact(leaf):
-            kinds.append("diff")
-            diff.append(leaf)
-        elif is_array(leaf):
-            kinds.append("fixed")
-            fixed.append(leaf)
-        else:
-            kinds.append("static")
-            static.append((i, leaf))
-    return _Partition(treedef, tuple(kinds), tuple(static), tuple(paths)), diff, fixed
+def _split(args: tuple) -> tuple[_Inputs, list, list]:
+    layout, arrays = partition(args, is_array)
+    perturbed = tuple(_is_inexact(a) for a in arrays)
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    sites = tuple(_site(paths[i]) for i in layout.dynamic)
+    diff = [a for a, p in zip(arrays, perturbed, strict=True) if p]
+    fixed = [a for a, p in zip(arrays, perturbed, strict=True) if not p]
+    return _Inputs(layout, perturbed, sites), diff, fixed
 
 
 def _site(path: tuple) -> tuple[int, str]:
@@ -499,7 +481,7 @@ def _batched(f: Callable, xs: Any, n: int, per_item: int, notes: _Notes, where: 
         return out
 
 
-def _evaluator(fn: Callable, partition: _Partition, inputs: list[_Port], notes: _Notes) -> Callable:
+def _evaluator(fn: Callable, split: _Inputs, inputs: list[_Port], notes: _Notes) -> Callable:
     """``fn`` as a function of the real views of the perturbed leaves.
 
     Returns the real views (float64) of fn's differentiable output leaves,
@@ -508,7 +490,7 @@ def _evaluator(fn: Callable, partition: _Partition, inputs: list[_Port], notes: 
 
     def evaluate(x: tuple, fixed: tuple) -> tuple:
         diff = [_from_real_view(v, p.is_complex) for v, p in zip(x, inputs)]
-        outputs = _differentiable_outputs(fn(*partition.merge(diff, fixed)))
+        outputs = _differentiable_outputs(fn(*split.merge(diff, fixed)))
         notes.outputs = [
             _Port(*_site(path), tuple(y.shape), y.dtype, jnp.iscomplexobj(y)) for path, y in outputs
         ]
@@ -853,11 +835,11 @@ def _has_host_calls(jaxpr: Any) -> bool:
 class _Checker:
     """One function checked at one input signature with one set of options."""
 
-    def __init__(self, fn: Callable, partition: _Partition, diff: list, options: _Options):
+    def __init__(self, fn: Callable, split: _Inputs, diff: list, options: _Options):
         self.options = options
-        self.inputs = _input_ports(partition, diff)
+        self.inputs = _input_ports(split, diff)
         self.notes = _Notes()
-        self.evaluate = _evaluator(fn, partition, self.inputs, self.notes)
+        self.evaluate = _evaluator(fn, split, self.inputs, self.notes)
         self._compiled: dict[bool, Callable] = {}  # report variant or not -> compiled program
         self.forward_unavailable: BaseException | None = None  # why fn has no forward mode
         self.forward_undefined_errors: dict[int, BaseException] = {}  # input alone -> jvp's error
@@ -889,10 +871,10 @@ class _Checker:
         return traced.lower().compile()
 
 
-def _input_ports(partition: _Partition, diff: list) -> list[_Port]:
+def _input_ports(split: _Inputs, diff: list) -> list[_Port]:
     return [
         _Port(index, path, tuple(np.shape(v)), v.dtype, jnp.iscomplexobj(v))
-        for (index, path), v in zip(partition.diff_sites(), diff)
+        for (index, path), v in zip(split.diff_sites(), diff)
     ]
 
 
@@ -918,9 +900,9 @@ def _cached(key: Any, make: Callable[[], Any]) -> Any:
     return value
 
 
-def _checker(fn: Callable, partition: _Partition, diff: list, fixed: list, options: _Options) -> _Checker:
-    key = ("checker", static_key_of(fn), partition.key, _signature(diff, fixed), options)
-    return _cached(key, lambda: _Checker(fn, partition, diff, options))
+def _checker(fn: Callable, split: _Inputs, diff: list, fixed: list, options: _Options) -> _Checker:
+    key = ("checker", static_key(fn), split.key, _signature(diff, fixed), options)
+    return _cached(key, lambda: _Checker(fn, split, diff, options))
 
 
 # ---------------------------------------------------------------------------
@@ -940,21 +922,21 @@ def _run(fn, args, options, tol, naming, raise_exception) -> bool:
 
 
 def _check(fn, args, options, tol, naming) -> None:
-    partition, diff, fixed = _partition(args)
+    split, diff, fixed = _split(args)
     if not diff:
         raise ValueError(
             "gradcheck: no floating-point or complex array among the inputs, so there is "
             "nothing to differentiate. Integer arrays and non-array inputs (Python scalars, "
             "strings) are held fixed; pass jnp.asarray(c, dtype=float) to check a scalar."
         )
-    for (index, path), v in zip(partition.diff_sites(), diff):
+    for (index, path), v in zip(split.diff_sites(), diff):
         if np.dtype(v.dtype) not in (np.float64, np.complex128):
             _warn(
                 f"{naming.input(index, path)} has dtype {np.dtype(v.dtype).name}; gradcheck casts it "
                 "to double precision and checks fn there, since finite differences in single "
                 "precision are too inaccurate to compare with. Pass float64 inputs to silence this warning."
             )
-    checker = _checker(fn, partition, diff, fixed, options)
+    checker = _checker(fn, split, diff, fixed, options)
     out = checker.run(diff, fixed, tol)
     summary = _summary(out)
     for message in _trace_warnings(checker, naming):
@@ -965,7 +947,7 @@ def _check(fn, args, options, tol, naming) -> None:
         fast_problems = _fast_mode_problems(checker, out, tol, naming)
         if fast_problems:
             problems.append("\n".join(fast_problems))
-            slow = _checker(fn, partition, diff, fixed, options._replace(fast_mode=False))
+            slow = _checker(fn, split, diff, fixed, options._replace(fast_mode=False))
             slow_problems, mismatches = _jacobian_report(slow, diff, fixed, tol, naming)
             problems.append(
                 "The full Jacobians (slow mode), for the complete picture:\n\n" + "\n\n".join(slow_problems)
@@ -1234,28 +1216,26 @@ class _VJPOf:
 
     def __call__(self, *all_args: Any) -> tuple:
         args, cotangents = all_args[: self.n_args], all_args[self.n_args :]
-        partition, diff, fixed = _partition(args)
+        split, diff, fixed = _split(args)
 
         def outputs(d: list) -> list:
-            return [y for _, y in _differentiable_outputs(self.fn(*partition.merge(d, fixed)))]
+            return [y for _, y in _differentiable_outputs(self.fn(*split.merge(d, fixed)))]
 
         ys, pullback = jax.vjp(outputs, list(diff))
         cts = [jnp.asarray(c).astype(y.dtype) for c, y in zip(jax.tree_util.tree_leaves(cotangents), ys)]
         (grads,) = pullback(cts)
-        leaves: list = [None] * len(partition.kinds)
-        for i, g in zip([i for i, kind in enumerate(partition.kinds) if kind == "diff"], grads):
-            leaves[i] = g
-        return jax.tree_util.tree_unflatten(partition.treedef, leaves)
+        given = iter(grads)
+        return split.layout.combine([next(given) if p else None for p in split.perturbed], keep_static=False)
 
 
 def _output_ports(fn: Callable, args: tuple) -> list[_Port]:
     """fn's differentiable output leaves at these arguments (traced once, cached)."""
-    partition, diff, fixed = _partition(args)
-    key = ("outputs", static_key_of(fn), partition.key, _signature(diff, fixed))
+    split, diff, fixed = _split(args)
+    key = ("outputs", static_key(fn), split.key, _signature(diff, fixed))
 
     def trace() -> list[_Port]:
-        notes, inputs = _Notes(), _input_ports(partition, diff)
-        jax.eval_shape(_evaluator(fn, partition, inputs, notes), _real_view_shapes(inputs), tuple(fixed))
+        notes, inputs = _Notes(), _input_ports(split, diff)
+        jax.eval_shape(_evaluator(fn, split, inputs, notes), _real_view_shapes(inputs), tuple(fixed))
         return notes.outputs
 
     return _cached(key, trace)
