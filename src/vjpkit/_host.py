@@ -23,7 +23,7 @@ Usage::
     jax.jit(jax.grad(lambda A, b: Solve(A, b).sum()))(A, b)
 
 This module turns the user's NumPy methods into JAX-traceable ``forward``
-and ``backward`` methods that the core (``_function._Program``) runs like
+and ``backward`` methods that the core (``_program.Program``) runs like
 any other Function's, so jit, grad, vmap and scan need no second path.
 
 The key differences to a JAX Function are:
@@ -47,12 +47,20 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._ctx import FunctionCtx, _short_repr, is_array
+from ._ctx import (
+    FunctionCtx,
+    _short_repr,
+    call_forward,
+    closing,
+    forwarded,
+    host_residuals,
+    is_array,
+    keep_host_residuals,
+    rule_ctx,
+)
 from ._once import call_without_derivative
 from ._outputs import check_backward_outputs, is_differentiable_dtype
 from ._tree import partition
-
-__all__ = ["make_host", "VmapInfo", "VMAP_METHODS"]
 
 VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
 
@@ -146,18 +154,17 @@ class _HostFunction:
         # the host, so nothing else crosses), and the outputs' static
         # description. Absent output gradients must arrive as None: only the
         # host knows the user's set_materialize_grads/mark_non_differentiable.
-        ctx._vjpkit_host_inputs = values
-        ctx._vjpkit_host_outputs = (
+        out_description = (
             jax.tree_util.tree_structure(out_struct),
             tuple((s.shape, s.dtype) for s in jax.tree_util.tree_leaves(out_struct)),
             source,
         )
+        keep_host_residuals(ctx, (values, out_description))
         ctx.set_materialize_grads(False)
         return out
 
     def backward(self, ctx: FunctionCtx, *grads: Any) -> tuple:
-        values = ctx._vjpkit_host_inputs
-        out_treedef, out_kinds, source = ctx._vjpkit_host_outputs
+        values, (out_treedef, out_kinds, source) = host_residuals(ctx)
         out_struct = jax.tree_util.tree_unflatten(
             out_treedef, [jax.ShapeDtypeStruct(s, d) for s, d in out_kinds]
         )
@@ -257,7 +264,8 @@ class _HostCall:
             needs[owners[i][0]] and is_differentiable_dtype(dtype)
             for i, (_, dtype) in zip(self.layout.dynamic, self.kinds, strict=True)
         ]
-        paths, self.out_treedef = jax.tree_util.tree_flatten_with_path(out_struct)
+        paths, out_treedef = jax.tree_util.tree_flatten_with_path(out_struct)
+        self.out_treedef: Any = out_treedef
         self.outputs = [(_output_name(path), tuple(s.shape), np.dtype(s.dtype)) for path, s in paths]
         self.source = source
         # Set by the JAX-side backward: which output gradients JAX passes.
@@ -280,13 +288,7 @@ class _HostCall:
 
     def _run_forward(self, ctx: FunctionCtx, values: tuple, setup: bool) -> Any:
         host = self.host
-        if host.user_setup_context is None:
-            return host.signature.call(host.user_forward, (ctx,), values)
-        out = host.signature.call(host.user_forward, (), values)
-        if setup:
-            ctx._vjpkit_method = "setup_context"
-            host.user_setup_context(ctx, values, out)
-        return out
+        return call_forward(ctx, host.signature, host.user_forward, host.user_setup_context, values, setup)
 
     def forward(self, *xs: Any) -> Any:
         arrays, batch = self._host_arrays(xs)
@@ -294,18 +296,16 @@ class _HostCall:
             out = self._run_vmap(arrays, batch)
         else:
             values = self.layout.combine(arrays)
-            ctx = FunctionCtx(self.name, self.needs, values)
-            try:
+            with closing(FunctionCtx(self.name, self.needs, values)) as ctx:
                 out = self._run_forward(ctx, values, setup=False)
-            finally:
-                ctx._vjpkit_open = False
         return self._check_outputs(out, batch)[1]
 
     def _run_vmap(self, arrays: list, batch: tuple) -> Any:
         """Calls the user's PyTorch-style ``vmap(info, in_dims, *args)`` with one batch axis."""
         size = math.prod(batch)
         k = len(batch)
-        batched, dims = [], []
+        batched: list = []
+        dims: list[int | None] = []
         for a in arrays:
             if size != 1 and all(d == 1 for d in a.shape[:k]):
                 batched.append(a.reshape(a.shape[k:]))  # not batched
@@ -322,6 +322,7 @@ class _HostCall:
                 "(outputs, out_dims), as torch.autograd.Function.vmap does."
             )
         out, out_dims = result
+        out_treedef: Any
         out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
         if out_dims is None or isinstance(out_dims, int):
             out_dims = [out_dims] * len(out_leaves)
@@ -371,13 +372,11 @@ class _HostCall:
         values = self.layout.combine(arrays)
         # Re-run forward: it rebuilds ctx (saved arrays, attributes, flags)
         # on the host, so none of it has to cross into JAX.
-        ctx = FunctionCtx(self.name, self.needs, values)
-        try:
+        with closing(FunctionCtx(self.name, self.needs, values)) as ctx:
             out_leaves, _ = self._check_outputs(self._run_forward(ctx, values, setup=True), batch)
-        finally:
-            ctx._vjpkit_open = False
-        marked = {id(x) for x in ctx._vjpkit_non_differentiable}
-        materialize = ctx._vjpkit_materialize
+        left = forwarded(ctx)
+        marked = {id(x) for x in left.non_differentiable}
+        materialize = left.materialize
         given = iter(xs[n:])
         grads = []
         for leaf, (_, shape, dtype), present in zip(out_leaves, self.outputs, self.grad_present, strict=True):
@@ -385,17 +384,10 @@ class _HostCall:
             if g is None or id(leaf) in marked:
                 g = np.zeros(batch + shape, dtype) if materialize else None
             grads.append(g)
-        backward_ctx = FunctionCtx(self.name, self.needs)
-        backward_ctx._vjpkit_method = "backward"
-        backward_ctx._vjpkit_saved = ctx._vjpkit_saved
-        backward_ctx._vjpkit_materialize = materialize
-        backward_ctx.__dict__.update(ctx._user_attributes())
-        try:
+        with closing(rule_ctx(self.name, "backward", self.needs, left.carried, materialize)) as backward_ctx:
             result = self.host.user_backward(
                 backward_ctx, *jax.tree_util.tree_unflatten(self.grad_treedef, grads)
             )
-        finally:
-            backward_ctx._vjpkit_open = False
         return self._check_gradients(result, batch)
 
     def _check_gradients(self, result: Any, batch: tuple) -> list:

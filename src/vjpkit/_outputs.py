@@ -150,7 +150,7 @@ def check_backward_outputs(
     if len(result) != n:
         raise TypeError(_count_message(owner, len(result), names, was_list))
 
-    cotangents = []
+    cotangents: list = []
     leaf = 0
     for i, (treedef, grad) in enumerate(zip(param_treedefs, result, strict=True)):
         n_leaves = treedef.num_leaves
