@@ -5,8 +5,10 @@ Functions); the true derivatives they are compared with come from
 ``jax.jacobian`` of the same math in plain ``jnp``, never from gradcheck.
 """
 
+import gc
 import itertools
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -593,6 +595,15 @@ def test_float32_output_warns():
         vjpkit.gradcheck(lambda x: jnp.sin(x).astype(jnp.float32), (V,), atol=1e-2, raise_exception=False)
 
 
+def test_warnings_name_the_callers_line_also_through_vjpkit_testing():
+    with pytest.warns(UserWarning, match="input 0 has dtype float32") as direct:
+        vjpkit.gradcheck(jnp.sin, (V.astype(np.float32),))
+    with pytest.warns(UserWarning, match="input 0 has dtype float32") as through_testing:
+        vjpkit.testing.assert_gradcheck(jnp.sin, (V.astype(np.float32),))
+    assert [w.filename for w in direct] == [__file__]
+    assert [w.filename for w in through_testing] == [__file__]
+
+
 def test_x64_setting_does_not_leak_into_the_caller():
     before = jax.config.jax_enable_x64
     vjpkit.gradcheck(jnp.sin, (V,))
@@ -628,6 +639,82 @@ def test_new_input_shape_compiles_a_new_program():
     first = len(traces)
     vjpkit.gradcheck(f, (V[:3],))
     assert len(traces) > first
+
+
+def test_a_bound_method_is_checked_from_the_cache_the_second_time():
+    class Model:
+        def __init__(self):
+            self.traces = 0
+
+        def __call__(self, x):
+            self.traces += 1
+            return jnp.sin(x)
+
+        def apply(self, x):
+            return self(x)
+
+    model = Model()
+    vjpkit.gradcheck(model.apply, (V,))
+    first = model.traces
+    vjpkit.gradcheck(model.apply, (V,))  # a new bound method object, the same method
+    assert model.traces == first
+
+
+def scaled_sin_over(scale):
+    def scaled_sin(x):
+        return jnp.sin(x) * scale[: x.shape[0]]
+
+    return scaled_sin
+
+
+def test_deleting_a_checked_function_frees_the_array_its_closure_holds():
+    big = np.linspace(0.5, 1.5, 1 << 20)  # 8 MB
+    released = weakref.ref(big)
+    fn = scaled_sin_over(big)
+    del big  # now only fn's closure holds it
+    assert vjpkit.gradcheck(fn, (V,))
+    del fn
+    gc.collect()
+    assert released() is None
+
+
+def test_clear_caches_makes_the_next_check_trace_again():
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return jnp.sin(x)
+
+    vjpkit.gradcheck(f, (V,))
+    first = len(traces)
+    vjpkit.clear_caches()
+    vjpkit.gradcheck(f, (V,))
+    assert len(traces) > first
+
+
+class MulWithWrongBackwardForY(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        ctx.save_for_forward(x, y)
+        return x * y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * y, 1.1 * g * x
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        x, y = ctx.saved_tensors
+        return tx * y + x * ty
+
+
+def test_a_failing_check_run_again_reports_the_same_mismatch():
+    # The first failure also compiles the report program, whose rows come in another order.
+    for _ in range(2):
+        found = mismatches(MulWithWrongBackwardForY.apply, (V, V + 1.0), check_forward_ad=True)
+        assert [(m.mode, m.input) for m in found] == [("backward", "input 1")]
 
 
 # ---------------------------------------------------------------------------

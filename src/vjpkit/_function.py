@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -23,6 +24,7 @@ from jax.errors import UnexpectedTracerError
 
 from . import _anomaly, _jax_internals
 from ._args import as_jax_leaf
+from ._caches import on_clear
 from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
 from ._outputs import Packed
@@ -150,6 +152,13 @@ class _Cache:
         # arity -> jitted program, for calls whose arguments are all plain
         # arrays: their layout is known without flattening anything.
         self.fast: dict[int, Callable] = {}
+        _CACHES.add(self)
+
+    def clear(self) -> None:
+        """Drops every program (``apply`` holds ``fast`` itself, so it is emptied in place)."""
+        with self.lock:
+            self.programs.clear()
+            self.fast.clear()
 
     def program(self, key: Any, layout: Partition, n_values: int, anomaly: bool = False) -> tuple[_Program, Callable]:
         """The program for ``key`` and its jit."""
@@ -205,6 +214,15 @@ class _Cache:
     def info(self) -> CacheInfo:
         with self.lock:
             return CacheInfo(len(self.programs), self.spec.cache_size, self.hits, self.misses)
+
+
+_CACHES: weakref.WeakSet[_Cache] = weakref.WeakSet()  # every Function's, while its class lives
+
+
+@on_clear
+def _clear_function_caches() -> None:
+    for cache in list(_CACHES):
+        cache.clear()
 
 
 def _make_apply(cache: _Cache) -> Callable:
