@@ -83,6 +83,17 @@ def test_one_program_per_static_signature():
     assert len(calls) == 2
 
 
+def test_clear_caches_drops_every_functions_programs():
+    calls = []
+    Exp = counting_exp(calls)
+    Exp.apply(X)
+    Exp.apply(X, 2.0)
+    vjpkit.clear_caches()
+    assert Exp.cache_info().programs == 0
+    chex.assert_trees_all_close(Exp.apply(X), jnp.exp(X))  # traced and compiled anew
+    assert (Exp.cache_info().programs, len(calls)) == (1, 3)
+
+
 def test_new_input_shape_traces_again_within_the_same_program():
     calls = []
     Exp = counting_exp(calls)

@@ -5,8 +5,10 @@ Functions); the true derivatives they are compared with come from
 ``jax.jacobian`` of the same math in plain ``jnp``, never from gradcheck.
 """
 
+import gc
 import itertools
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -593,6 +595,15 @@ def test_float32_output_warns():
         vjpkit.gradcheck(lambda x: jnp.sin(x).astype(jnp.float32), (V,), atol=1e-2, raise_exception=False)
 
 
+def test_warnings_name_the_callers_line_also_through_vjpkit_testing():
+    with pytest.warns(UserWarning, match="input 0 has dtype float32") as direct:
+        vjpkit.gradcheck(jnp.sin, (V.astype(np.float32),))
+    with pytest.warns(UserWarning, match="input 0 has dtype float32") as through_testing:
+        vjpkit.testing.assert_gradcheck(jnp.sin, (V.astype(np.float32),))
+    assert [w.filename for w in direct] == [__file__]
+    assert [w.filename for w in through_testing] == [__file__]
+
+
 def test_x64_setting_does_not_leak_into_the_caller():
     before = jax.config.jax_enable_x64
     vjpkit.gradcheck(jnp.sin, (V,))
@@ -604,13 +615,19 @@ def test_x64_setting_does_not_leak_into_the_caller():
 # Compilation: one program per (function, input signature, options).
 
 
-def test_repeated_check_does_not_retrace():
-    traces = []
+def counting_sin(traces):
+    """``sin``; appends to ``traces`` each time JAX traces it."""
 
     def f(x):
         traces.append(1)
         return jnp.sin(x)
 
+    return f
+
+
+def test_repeated_check_does_not_retrace():
+    traces = []
+    f = counting_sin(traces)
     vjpkit.gradcheck(f, (V,))
     first = len(traces)
     vjpkit.gradcheck(f, (V + 1.0,), eps=1e-5, atol=1e-4, rtol=1e-2)
@@ -619,15 +636,72 @@ def test_repeated_check_does_not_retrace():
 
 def test_new_input_shape_compiles_a_new_program():
     traces = []
-
-    def f(x):
-        traces.append(1)
-        return jnp.sin(x)
-
+    f = counting_sin(traces)
     vjpkit.gradcheck(f, (V,))
     first = len(traces)
     vjpkit.gradcheck(f, (V[:3],))
     assert len(traces) > first
+
+
+def test_a_bound_method_is_checked_from_the_cache_the_second_time():
+    class Model:
+        def __init__(self):
+            self.traces = 0
+
+        def __call__(self, x):
+            self.traces += 1
+            return jnp.sin(x)
+
+        def apply(self, x):
+            return self(x)
+
+    model = Model()
+    vjpkit.gradcheck(model.apply, (V,))
+    first = model.traces
+    vjpkit.gradcheck(model.apply, (V,))  # a new bound method object, the same method
+    assert model.traces == first
+
+
+def scaled_sin_over(scale):
+    def scaled_sin(x):
+        return jnp.sin(x) * scale[: x.shape[0]]
+
+    return scaled_sin
+
+
+def test_deleting_a_checked_function_frees_the_array_its_closure_holds():
+    big = np.linspace(0.5, 1.5, 1 << 20)  # 8 MB
+    released = weakref.ref(big)
+    fn = scaled_sin_over(big)
+    del big  # now only fn's closure holds it
+    assert vjpkit.gradcheck(fn, (V,))
+    del fn
+    gc.collect()
+    assert released() is None
+
+
+def test_clear_caches_makes_the_next_check_trace_again():
+    traces = []
+    f = counting_sin(traces)
+    vjpkit.gradcheck(f, (V,))
+    first = len(traces)
+    vjpkit.clear_caches()
+    vjpkit.gradcheck(f, (V,))
+    assert len(traces) > first
+
+
+class MulWithWrongBackwardForY(Mul):
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * y, 1.1 * g * x
+
+
+def test_a_failing_check_run_again_reports_the_same_mismatch():
+    # The first failure also compiles the report program, whose rows come in another order.
+    for _ in range(2):
+        found = mismatches(MulWithWrongBackwardForY.apply, (V, V + 1.0), check_forward_ad=True)
+        assert [(m.mode, m.input) for m in found] == [("backward", "input 1")]
 
 
 # ---------------------------------------------------------------------------

@@ -672,3 +672,22 @@ def test_gradcheck_solve(global_x64):
 def test_gradcheck_trimmed_mean(global_x64):
     x = jnp.asarray(np.random.default_rng(4).normal(size=6))  # distinct values: differentiable there
     assert vjpkit.gradcheck(lambda x: TrimmedMean.apply(x, 1), (x,))
+
+
+def test_host_backward_ctx_holds_only_the_users_attributes():
+    seen = []
+
+    @vjpkit.function(host=True)
+    class Scale:
+        @staticmethod
+        def forward(ctx, x):
+            ctx.factor = 2.0
+            return 2.0 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(sorted(vars(ctx)))
+            return ctx.factor * g
+
+    assert_close(jax.grad(lambda x: Scale(x).sum())(X), jnp.full(3, 2.0))
+    assert seen == [["factor"]]

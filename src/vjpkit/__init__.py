@@ -5,19 +5,23 @@ as in ``torch.autograd.Function``; vjpkit turns it into a jit-compiled
 ``jax.custom_vjp`` function that works under every JAX transformation.
 """
 
+from . import cpp_extension, testing
 from ._anomaly import detect_anomaly
+from ._caches import clear_caches
 from ._ctx import FunctionCtx
 from ._function import CacheInfo, Function, function
-from ._gradcheck import GradcheckError, gradcheck, gradgradcheck
+from ._gradcheck import GradcheckError, JacobianMismatch, gradcheck, gradgradcheck
+from ._host import VmapInfo
 from ._once import once_differentiable
-from . import testing
-from . import cpp_extension
 
 __all__ = [
     "CacheInfo",
     "Function",
     "FunctionCtx",
     "GradcheckError",
+    "JacobianMismatch",
+    "VmapInfo",
+    "clear_caches",
     "cpp_extension",
     "detect_anomaly",
     "function",

@@ -40,8 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _jax_internals
-
-__all__ = ["detect_anomaly", "enabled", "check_finite", "input_labels", "reraise_anomaly"]
+from ._tree import Partition
 
 # Thread-local, and in JAX's jit and trace cache keys (see _jax_internals).
 FLAG = _jax_internals.thread_local_flag("vjpkit_detect_anomaly")
@@ -101,17 +100,14 @@ def detect_anomaly() -> Iterator[None]:
 # The checks, traced into the program.
 
 
-def input_labels(names: Sequence[str], param_treedefs: Sequence[Any], dynamic: Sequence[int]) -> list[str]:
+def input_labels(names: Sequence[str], layout: Partition) -> list[str]:
     """"gradient i (input 'name')" for each array leaf, in the order backward's checked gradients come."""
-    param_of_leaf, leaf_in_param = [], []
-    for i, treedef in enumerate(param_treedefs):
-        for j in range(treedef.num_leaves):
-            param_of_leaf.append(i)
-            leaf_in_param.append(j)
+    owners = layout.owners()
+    param_treedefs = layout.treedef.children()
     labels = []
-    for k in dynamic:
-        i = param_of_leaf[k]
-        at = f" at leaf {leaf_in_param[k]}" if param_treedefs[i].num_leaves > 1 else ""
+    for k in layout.dynamic:
+        i, j = owners[k]
+        at = f" at leaf {j}" if param_treedefs[i].num_leaves > 1 else ""
         labels.append(f"gradient {i} (input {names[i]!r}{at})")
     return labels
 
@@ -147,7 +143,7 @@ class _Report:
         self.owner, self.method, self.wheres = owner, method, wheres
 
     def __call__(self, stats: Sequence[tuple]) -> None:
-        for (where, shape), (n_nan, n_inf, first) in zip(self.wheres, stats):
+        for (where, shape), (n_nan, n_inf, first) in zip(self.wheres, stats, strict=True):
             n_nan, n_inf = int(n_nan), int(n_inf)
             if n_nan or n_inf:
                 message = anomaly_message(self.owner, self.method, where, shape, n_nan, n_inf, int(first))
@@ -164,8 +160,10 @@ def anomaly_message(owner: str, method: str, where: str, shape: tuple, n_nan: in
     )
     cause = {
         "forward": f"look for a log, sqrt, division or overflow in {owner}.forward, or NaN/Inf already in its inputs",
-        "backward": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.backward, or NaN/Inf in the incoming gradient",
-        "jvp": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.jvp, or NaN/Inf in the incoming tangents",
+        "backward": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.backward, "
+        "or NaN/Inf in the incoming gradient",
+        "jvp": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.jvp, "
+        "or NaN/Inf in the incoming tangents",
     }.get(method, f"look at {owner}.{method}")
     return (
         f"{owner}.{method} returned {kind} in {where}: {counts} of {size} "

@@ -1,24 +1,21 @@
-"""Binding ``apply``'s arguments to ``forward``'s parameters, and splitting them
-into traced (array) and static (everything else) parts.
+"""Binding ``apply``'s arguments to ``forward``'s parameters.
 
-This split is the one mechanism behind argument handling: static leaves
-become part of the compile-cache key and are closed over by the
-``custom_vjp``, so no tracer can ever leak through ``nondiff_argnums``
-(vjpkit never uses them).
+The bound values are then split (``_tree.partition``) into traced (array)
+and static (everything else) parts: static leaves become part of the
+compile-cache key and are closed over by the ``custom_vjp``, so no tracer
+can ever leak through ``nondiff_argnums`` (vjpkit never uses them).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._ctx import is_array
-
-__all__ = ["Signature", "Layout", "split_static", "split_residuals", "static_key_of", "as_jax_leaf"]
+from ._tree import Partition, partition
 
 _MISSING = object()
 
@@ -103,7 +100,7 @@ class Signature:
                 raise TypeError(f"{self.owner}.apply got an unexpected keyword argument {name!r}")
         names = (*self.positional, *self.keyword_only)
         bound = [*values, *keyword.values()]
-        for i, (name, value) in enumerate(zip(names, bound)):
+        for i, (name, value) in enumerate(zip(names, bound, strict=True)):
             if value is _MISSING:
                 value = self.defaults.get(name, _MISSING)
                 if value is _MISSING:
@@ -117,71 +114,12 @@ class Signature:
         if not n_kw:
             return fn(*prefix, *values)
         positional, keyword = values[:-n_kw], values[-n_kw:]
-        return fn(*prefix, *positional, **dict(zip(self.keyword_only, keyword)))
+        return fn(*prefix, *positional, **dict(zip(self.keyword_only, keyword, strict=True)))
 
 
-class _ById:
-    """Hashes an unhashable static argument by identity (the cache keys on the object)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __hash__(self) -> int:
-        return id(self.value)
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _ById) and other.value is self.value
-
-
-def static_key_of(value: Any) -> Any:
-    """A hashable key for a static value that tells ``1``, ``1.0`` and ``True`` apart."""
-    try:
-        hash(value)
-    except TypeError:
-        return _ById(value)
-    return (type(value), value)
-
-
-class Layout(NamedTuple):
-    """Where each leaf of the bound arguments goes: the static part of a call.
-
-    ``treedef`` is the structure of the tuple of bound values; ``static`` maps
-    leaf positions to static values; ``dynamic`` lists the positions of the
-    array leaves, in the order they are passed to the compiled program.
-    """
-
-    treedef: Any
-    static: tuple  # ((leaf index, value), ...)
-    dynamic: tuple  # (leaf index, ...)
-
-    def rebuild(self, dynamic_values: Any) -> tuple:
-        leaves = [None] * self.treedef.num_leaves
-        for i, value in self.static:
-            leaves[i] = value
-        for i, value in zip(self.dynamic, dynamic_values):
-            leaves[i] = value
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
-
-def split_static(values: tuple) -> tuple[Any, Layout, list]:
-    """Splits bound values into (cache key, layout, array leaves)."""
-    leaves, treedef = jax.tree_util.tree_flatten(values)
-    static, dynamic, arrays, key = [], [], [], [treedef]
-    for i, leaf in enumerate(leaves):
-        if is_array(leaf):
-            dynamic.append(i)
-            arrays.append(leaf)
-        else:
-            static.append((i, leaf))
-            key.append((i, static_key_of(leaf)))
-    return tuple(key), Layout(treedef, tuple(static), tuple(dynamic)), arrays
-
-
-def split_residuals(saved: Any) -> tuple[Layout, tuple]:
+def split_residuals(saved: Any) -> tuple[Partition, tuple]:
     """What forward left on ctx: its arrays (the residuals) apart from static data."""
-    _, layout, arrays = split_static(saved)
+    layout, arrays = partition(saved, is_array)
     return layout, tuple(map(as_jax_leaf, arrays))
 
 

@@ -1,13 +1,18 @@
-"""The ``ctx`` object that ``forward``, ``setup_context``, ``backward`` and ``jvp`` receive."""
+"""The ``ctx`` object that ``forward``, ``setup_context``, ``backward`` and ``jvp`` receive, and its life cycle.
+
+A ctx is made for one call of the user's methods and closed when that call
+returns (``closing``). What forward leaves on it (``forwarded``) travels to
+backward and jvp, whose ctx is rebuilt from it (``rule_ctx``). Only this
+module writes a ctx's internal slots.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import numpy as np
-
-__all__ = ["FunctionCtx", "is_array"]
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
@@ -44,6 +49,7 @@ class FunctionCtx:
         "_vjpkit_materialize",
         "_vjpkit_inputs",
         "_vjpkit_in_jvp",
+        "_vjpkit_host",
         "__dict__",
     )
 
@@ -59,6 +65,7 @@ class FunctionCtx:
         self._vjpkit_materialize = True
         self._vjpkit_inputs = inputs
         self._vjpkit_in_jvp = False
+        self._vjpkit_host: Any = None  # a host Function's own residuals (see _host.py)
 
     # -- lifetime --------------------------------------------------------
 
@@ -171,10 +178,90 @@ class FunctionCtx:
                 )
         self._vjpkit_dirty = inputs
 
-    # -- internal --------------------------------------------------------
 
-    def _user_attributes(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+# ---------------------------------------------------------------------------
+# The life cycle: made, run, closed; what forward left carried to backward and jvp.
+
+
+@contextlib.contextmanager
+def closing(ctx: FunctionCtx) -> Iterator[FunctionCtx]:
+    """Closes ``ctx`` when the user's method returns or raises: a kept ctx then raises when used."""
+    try:
+        yield ctx
+    finally:
+        ctx._vjpkit_open = False
+
+
+def call_forward(ctx: FunctionCtx, signature: Any, forward: Callable, setup_context: Callable | None,
+                 values: tuple, setup: bool = True) -> Any:
+    """The user's forward on ``values``: ``forward(ctx, ...)``, or ``forward(...)`` then ``setup_context``.
+
+    ``signature`` (an ``_args.Signature``) passes keyword-only values by
+    name; ``setup=False`` skips ``setup_context`` where nothing reads ctx.
+    """
+    if setup_context is None:
+        return signature.call(forward, (ctx,), values)
+    out = signature.call(forward, (), values)
+    if setup:
+        ctx._vjpkit_method = "setup_context"
+        setup_context(ctx, values, out)
+    return out
+
+
+def method_of(ctx: FunctionCtx) -> str:
+    """The user's method the ctx belongs to (``forward``, ``setup_context``, ...)."""
+    return ctx._vjpkit_method
+
+
+class Carried(NamedTuple):
+    """What a ctx carries from forward to backward and jvp: arrays as residuals, the rest as static data."""
+
+    saved: tuple  # save_for_backward
+    saved_forward: tuple  # save_for_forward (jvp only)
+    attributes: dict  # the user's ctx attributes
+    host: Any  # a host Function's own residuals
+
+
+class Forwarded(NamedTuple):
+    """What forward (and setup_context) left on a ctx."""
+
+    carried: Carried
+    non_differentiable: tuple
+    dirty: tuple
+    materialize: bool
+
+
+def forwarded(ctx: FunctionCtx, forward_mode: bool = False) -> Forwarded:
+    """What ``ctx``'s forward left; ``save_for_forward``'s arrays only for ``forward_mode``."""
+    carried = Carried(
+        ctx._vjpkit_saved,
+        ctx._vjpkit_saved_forward if forward_mode else (),
+        dict(ctx.__dict__),
+        ctx._vjpkit_host,
+    )
+    return Forwarded(carried, ctx._vjpkit_non_differentiable, ctx._vjpkit_dirty, ctx._vjpkit_materialize)
+
+
+def rule_ctx(name: str, method: str, needs: tuple[bool, ...], carried: Carried, materialize: bool) -> FunctionCtx:
+    """A new ctx for ``backward`` or ``jvp`` (``method``), holding what forward left."""
+    ctx = FunctionCtx(name, needs)
+    ctx._vjpkit_method = method
+    ctx._vjpkit_in_jvp = method == "jvp"
+    ctx._vjpkit_saved = carried.saved
+    ctx._vjpkit_saved_forward = carried.saved_forward
+    ctx._vjpkit_materialize = materialize
+    ctx._vjpkit_host = carried.host
+    ctx.__dict__.update(carried.attributes)
+    return ctx
+
+
+def keep_host_residuals(ctx: FunctionCtx, residuals: Any) -> None:
+    """Carries a host Function's own residuals to its backward, apart from the user's attributes."""
+    ctx._vjpkit_host = residuals
+
+
+def host_residuals(ctx: FunctionCtx) -> Any:
+    return ctx._vjpkit_host
 
 
 def _short_repr(x: Any) -> str:

@@ -19,36 +19,24 @@ residuals are constant (``jax.hessian`` fails).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from . import _anomaly, _jax_internals
-from ._args import Layout, split_residuals
-from ._ctx import FunctionCtx, _short_repr, is_array
-from ._once import call_without_derivative
-from ._outputs import (
-    Packed,
-    differentiable_outputs,
-    is_differentiable_dtype,
-    output_cotangents,
-    pack_outputs,
-)
-
-if TYPE_CHECKING:
-    from ._function import _Program
-
-__all__ = ["forward_mode_function"]
+from ._ctx import _short_repr, closing, is_array, rule_ctx
+from ._outputs import Packed, is_differentiable_dtype
+from ._program import Program, Residuals
 
 
-def forward_mode_function(program: _Program) -> Any:
+def forward_mode_function(program: Program) -> Any:
     """The ``custom_jvp`` of ``program``'s array leaves, returning ``Packed``."""
     spec = program.spec
 
     def primal(*arrays: Any) -> Packed:
-        return program._primal(*arrays)
+        return program.primal(*arrays)
 
     primal.__name__ = primal.__qualname__ = spec.name
     function = jax.custom_jvp(primal)
@@ -64,7 +52,7 @@ def forward_mode_function(program: _Program) -> Any:
 class _Rule:
     """One run of the custom_jvp rule: forward, then the tangent via linear_call."""
 
-    def __init__(self, program: _Program):
+    def __init__(self, program: Program):
         self.program = program
         self.spec = program.spec
         self.name = program.spec.name
@@ -73,40 +61,26 @@ class _Rule:
         program, spec = self.program, self.spec
         arrays = tuple(primals)
         perturbed = [type(t) is not SymbolicZero for t in tangents]
-        self.needs = program.needs_input_grad(perturbed, arrays)
-        self.perturbed = perturbed = [
-            p and is_differentiable_dtype(jnp.result_type(x)) for p, x in zip(perturbed, arrays)
+        needs = program.needs_input_grad(perturbed, arrays)
+        perturbed = [
+            p and is_differentiable_dtype(jnp.result_type(x)) for p, x in zip(perturbed, arrays, strict=True)
         ]
-        values = program.layout.rebuild(arrays)
-        ctx = FunctionCtx(self.name, self.needs, values)
-        try:
-            out = program._run_forward(ctx, values)
-            packed = pack_outputs(self.name, out)
-            if program.anomaly:
-                program.check_outputs(packed)
-            self.differentiable = differentiable_outputs(out, ctx._vjpkit_non_differentiable)
-            self.residual_layout, res_arrays = split_residuals(
-                (ctx._vjpkit_saved, ctx._vjpkit_saved_forward, ctx._user_attributes())
-            )
-            self.materialize = ctx._vjpkit_materialize
-        finally:
-            ctx._vjpkit_open = False
-
+        packed, residuals = program.run_forward(arrays, needs, forward_mode=True)
+        self.meta = residuals.meta
         self.out_layout = packed.layout
-        self.out_avals = [(tuple(a.shape), a.dtype) for a in packed.arrays]
-        self.in_kinds = program.input_kinds(arrays)
         self.in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
         self.linear = [d for d, p in enumerate(perturbed) if p]
-        self.outputs = [j for j, diff in enumerate(self.differentiable) if diff]
+        self.outputs = [j for j, diff in enumerate(self.meta.differentiable) if diff]
 
         tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
+
         def backward_rule(residuals: tuple, cotangents: tuple) -> list:
             return self.apply_backward(residuals, cotangents)
 
-        backward_rule.takes_symbolic_zeros = True  # backward sees None for absent gradients
+        backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
         if self.linear and self.outputs:
             computed = _jax_internals.linear_call(
-                res_arrays,
+                residuals.arrays,
                 [tangents[d] for d in self.linear],
                 apply=self.apply_jvp,
                 transpose=backward_rule if spec.backward is not None else None,
@@ -116,72 +90,40 @@ class _Rule:
                 ],
                 name=self.name,
             )
-            for j, t in zip(self.outputs, computed):
+            for j, t in zip(self.outputs, computed, strict=True):
                 tangents_out[j] = t
         return packed, Packed(tuple(tangents_out), packed.layout)
 
     # -- the two rules of the linear_call ---------------------------------
 
-    def _ctx(self, method: str, residuals: tuple) -> FunctionCtx:
-        saved, saved_forward, attributes = self.residual_layout.rebuild(residuals)
-        ctx = FunctionCtx(self.name, self.needs)
-        ctx._vjpkit_method = method
-        ctx._vjpkit_saved = saved
-        ctx._vjpkit_saved_forward = saved_forward
-        ctx._vjpkit_in_jvp = method == "jvp"
-        ctx._vjpkit_materialize = self.materialize
-        ctx.__dict__.update(attributes)
-        return ctx
-
     def apply_jvp(self, residuals: tuple, linear: tuple) -> list:
         """Output tangents (differentiable outputs) from input tangents: user's jvp."""
-        program = self.program
+        program, meta = self.program, self.meta
+        assert self.spec.jvp is not None  # a forward-mode rule exists only for a class with jvp
         tangent_leaves: list = [None] * len(self.in_avals)
-        for d, t in zip(self.linear, linear):
+        for d, t in zip(self.linear, linear, strict=True):
             tangent_leaves[d] = t
         for d, t in enumerate(tangent_leaves):
-            if t is None and self.materialize and is_differentiable_dtype(self.in_avals[d][1]):
+            if t is None and meta.materialize and is_differentiable_dtype(self.in_avals[d][1]):
                 tangent_leaves[d] = jnp.zeros(*self.in_avals[d])
-        layout = program.layout
-        tangents = Layout(layout.treedef, tuple((i, None) for i, _ in layout.static), layout.dynamic)
-        ctx = self._ctx("jvp", residuals)
-        try:
-            result = self.spec.jvp(ctx, *tangents.rebuild(tangent_leaves))
-        finally:
-            ctx._vjpkit_open = False
+        ctx = rule_ctx(self.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
+        with closing(ctx):
+            result = self.spec.jvp(ctx, *program.layout.combine(tangent_leaves, keep_static=False))
         tangents_out = self._check_jvp_outputs(result)
         if program.anomaly:
-            labelled = [(f"the tangent of output {j}", t) for j, t in zip(self.outputs, tangents_out)]
+            labelled = [
+                (f"the tangent of output {j}", t) for j, t in zip(self.outputs, tangents_out, strict=True)
+            ]
             _anomaly.check_finite(self.name, "jvp", labelled)
         return tangents_out
 
     def apply_backward(self, residuals: tuple, cotangents: tuple) -> list:
         """Input cotangents (perturbed inputs) from output cotangents: user's backward."""
-        if not self.spec.once_differentiable:
-            return self._backward(residuals, cotangents)
-        n = len(residuals)
-        present = [ct is not None for ct in cotangents]
-
-        def backward_of_arrays(*xs: Any) -> list:
-            given = iter(xs[n:])
-            return self._backward(xs[:n], [next(given) if p else None for p in present])
-
-        return call_without_derivative(
-            backward_of_arrays,
-            (*residuals, *(ct for ct in cotangents if ct is not None)),
-            self.program.once_message(),
-        )
-
-    def _backward(self, residuals: tuple, cotangents: tuple) -> list:
-        program = self.program
-        full: list = [SymbolicZero(None)] * len(self.out_avals)  # absent: zeros or None
-        for j, ct in zip(self.outputs, cotangents):
+        full: list = [SymbolicZero(None)] * len(self.meta.out_avals)  # type: ignore[arg-type]  # absent
+        for j, ct in zip(self.outputs, cotangents, strict=True):
             if ct is not None:
                 full[j] = ct
-        grads = output_cotangents(
-            self.out_layout, full, self.out_avals, self.differentiable, self.materialize
-        )
-        per_leaf = program.run_backward(self._ctx("backward", residuals), grads, self.in_kinds, self.needs)
+        per_leaf = self.program.run_backward(Residuals(tuple(residuals), self.meta), self.out_layout, full)
         return [
             jnp.zeros(*self.in_avals[d]) if per_leaf[d] is None else per_leaf[d]
             for d in self.linear
@@ -189,8 +131,9 @@ class _Rule:
 
     def _check_jvp_outputs(self, result: Any) -> list:
         layout, name = self.out_layout, self.name
-        n_outputs = len(layout.treedef.children()) if layout.spread else 1
-        if layout.spread:
+        spread = layout.is_tuple()  # a tuple output: one tangent per element
+        n_outputs = len(layout.treedef.children()) if spread else 1
+        if spread:
             if not isinstance(result, tuple):
                 result = (result,)
             if len(result) != n_outputs:
@@ -220,13 +163,13 @@ class _Rule:
                 f"{name}.jvp returned tangents with structure {got}, expected the "
                 f"output's structure {layout.treedef} (None is allowed for any part)."
             ) from None
-        by_position = dict(zip(layout.dynamic, range(len(layout.dynamic))))
+        by_position = dict(zip(layout.dynamic, range(len(layout.dynamic)), strict=True))
         tangents = []
         for position, t in enumerate(leaves):
             j = by_position.get(position)
-            if j is None or not self.differentiable[j]:
+            if j is None or not self.meta.differentiable[j]:
                 continue
-            shape, dtype = self.out_avals[j]
+            shape, dtype = self.meta.out_avals[j]
             if t is None:
                 tangents.append(jnp.zeros(shape, dtype))
                 continue

@@ -7,7 +7,7 @@ The one path for data::
           -> checked gradients
 
 A class becomes a cache of *programs*, one per static part of a call
-(``_args.split_static``). A program owns one ``jax.custom_vjp`` whose
+(``_tree.partition`` of the bound arguments). A program owns one ``jax.custom_vjp`` whose
 primal, forward and backward rules run the user's methods, and one
 ``jax.jit`` of it; JAX's own jit cache then handles shapes and dtypes.
 """
@@ -16,27 +16,20 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
-from jax.errors import TracerArrayConversionError, UnexpectedTracerError
+from jax.errors import UnexpectedTracerError
 
-from . import _anomaly, _host, _jax_internals
-from ._args import Layout, Signature, as_jax_leaf, split_residuals, split_static, static_key_of
-from ._ctx import FunctionCtx
+from . import _anomaly, _jax_internals
+from ._args import as_jax_leaf
+from ._caches import on_clear
+from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
-from ._once import call_without_derivative, is_once_differentiable
-from ._outputs import (
-    Packed,
-    check_backward_outputs,
-    differentiable_outputs,
-    is_differentiable_dtype,
-    output_cotangents,
-    pack_outputs,
-)
-
-__all__ = ["Function", "function", "CacheInfo"]
+from ._outputs import Packed
+from ._program import Program, Residuals, Spec
+from ._tree import Partition, partition
 
 # The concrete type of a non-traced jax.Array: the fast path's test.
 _ArrayImpl = _jax_internals.ArrayImpl
@@ -52,94 +45,18 @@ class CacheInfo(NamedTuple):
 
 
 # ---------------------------------------------------------------------------
-# What vjpkit reads off a class, once.
-
-
-class _Spec:
-    def __init__(self, cls: type):
-        self.name = cls.__name__
-        self.forward = cls.forward
-        self.backward = _defined(cls, "backward")
-        self.jvp = _defined(cls, "jvp")
-        self.setup_context = _defined(cls, "setup_context")
-        self.signature = Signature(self.name, self.forward, skip_first=self.setup_context is None)
-        self.jit = bool(cls.jit)
-        self.cache_size = int(cls.cache_size)
-        self.once_differentiable = is_once_differentiable(self.backward)
-        if cls.host:
-            _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
-
-
-def _defined(cls: type, method: str) -> Callable | None:
-    fn = getattr(cls, method)
-    return None if fn is getattr(Function, method) else fn
-
-
-# ---------------------------------------------------------------------------
-# Residuals: arrays as pytree children, everything else as static data.
-
-
-class _ResidualMeta:
-    """Static data carried from forward to backward inside the residual treedef."""
-
-    __slots__ = ("layout", "needs", "differentiable", "out_avals", "materialize", "in_kinds", "_key")
-
-    def __init__(self, layout, needs, differentiable, out_avals, materialize, in_kinds):
-        self.layout = layout  # where saved arrays and ctx attributes go
-        self.needs = needs
-        self.differentiable = differentiable
-        self.out_avals = out_avals
-        self.materialize = materialize
-        self.in_kinds = in_kinds
-        self._key = (layout.treedef, tuple((i, static_key_of(v)) for i, v in layout.static),
-                     layout.dynamic, needs, differentiable, out_avals, materialize, in_kinds)
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _ResidualMeta) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
-
-
-class _Residuals:
-    __slots__ = ("arrays", "meta")
-
-    def __init__(self, arrays: tuple, meta: _ResidualMeta):
-        self.arrays = arrays
-        self.meta = meta
-
-
-jax.tree_util.register_pytree_node(
-    _Residuals,
-    lambda r: (r.arrays, r.meta),
-    lambda meta, arrays: _Residuals(tuple(arrays), meta),
-)
-
-
-def _kind(x: Any) -> tuple:
-    return (tuple(x.shape), x.dtype)
-
-
-# ---------------------------------------------------------------------------
 # One program per static signature.
 
 
-class _Program:
+class _Program(Program):
     """The ``custom_vjp`` (and its ``jit``) for one static part of a call."""
 
-    def __init__(self, spec: _Spec, layout: Layout, n_values: int, anomaly: bool = False):
-        self.spec = spec
-        self.layout = layout
-        self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
-        self.names = spec.signature.names(n_values)
-        self.param_treedefs = tuple(layout.treedef.children())
-        param_of_leaf = [i for i, td in enumerate(self.param_treedefs) for _ in range(td.num_leaves)]
-        self.param_of_dynamic = tuple(param_of_leaf[k] for k in layout.dynamic)
-        self.n_params = n_values
-
+    def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
+        super().__init__(spec, layout, n_values, anomaly)
         # The differentiable function of the array leaves, returning Packed.
+        self.differentiable: Callable
         if spec.jvp is None:
-            self.differentiable = jax.custom_vjp(_named(self._primal, spec.name))
+            self.differentiable = jax.custom_vjp(_named(self.primal, spec.name))
             self.differentiable.defvjp(
                 _named(self._fwd, f"{spec.name}.forward"),
                 _named(self._bwd, f"{spec.name}.backward"),
@@ -152,8 +69,6 @@ class _Program:
         # program that referred to its jit would keep that jit's cache key (and
         # compiled executables) alive after vjpkit's cache dropped it.
 
-    # -- calling ---------------------------------------------------------
-
     def jit(self) -> Callable:
         """A new ``jax.jit`` of the program (one per cache entry)."""
         return jax.jit(_named(self._jit_body, self.spec.name))
@@ -163,46 +78,9 @@ class _Program:
         # jit can return static leaves only inside a pytree's static data.
         return packed if packed.layout.static else packed.unpack()
 
-    def _run_forward(self, ctx: FunctionCtx, values: tuple) -> Any:
-        spec = self.spec
-        try:
-            if spec.setup_context is None:
-                out = spec.signature.call(spec.forward, (ctx,), values)
-            else:
-                out = spec.signature.call(spec.forward, (), values)
-                ctx._vjpkit_method = "setup_context"
-                spec.setup_context(ctx, values, out)
-        except TracerArrayConversionError as e:
-            raise TypeError(
-                f"{spec.name}.{ctx._vjpkit_method} converted a traced JAX array to "
-                "NumPy. forward runs while JAX traces, so its arrays are tracers, "
-                "not concrete values: write it with jax.numpy, or declare the "
-                f"Function host-side (@vjpkit.function(host=True)) to run NumPy code."
-            ) from e
-        dirty = {id(x) for x in ctx._vjpkit_dirty}
-        if dirty and any(id(leaf) in dirty for leaf in jax.tree_util.tree_leaves(out)):
-            raise ValueError(
-                f"{spec.name}.forward marked an input dirty (ctx.mark_dirty) and "
-                "returned that same input object unchanged. JAX arrays are "
-                "immutable: compute the new value (e.g. x = x.at[i].set(v)) and "
-                "return it."
-            )
-        return out
-
     # -- the custom_vjp rules ---------------------------------------------
 
-    def _primal(self, *arrays: Any) -> Packed:
-        values = self.layout.rebuild(arrays)
-        ctx = FunctionCtx(self.spec.name, (False,) * self.n_params, values)
-        try:
-            packed = pack_outputs(self.spec.name, self._run_forward(ctx, values))
-        finally:
-            ctx._vjpkit_open = False
-        if self.anomaly:
-            self.check_outputs(packed)
-        return packed
-
-    def _fwd(self, *primals: Any) -> tuple[Packed, _Residuals]:
+    def _fwd(self, *primals: Any) -> tuple[Packed, Residuals]:
         spec = self.spec
         if spec.backward is None:
             raise TypeError(
@@ -216,104 +94,16 @@ class _Program:
             raise _no_forward_mode(spec)
         arrays = tuple(p.value for p in primals)
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
-        values = self.layout.rebuild(arrays)
-        ctx = FunctionCtx(spec.name, needs, values)
-        try:
-            out = self._run_forward(ctx, values)
-            packed = pack_outputs(spec.name, out)
-            if self.anomaly:
-                self.check_outputs(packed)
-            layout, res_arrays = split_residuals((ctx._vjpkit_saved, ctx._user_attributes()))
-            meta = _ResidualMeta(
-                layout, needs, differentiable_outputs(out, ctx._vjpkit_non_differentiable),
-                tuple(_kind(a) for a in packed.arrays), ctx._vjpkit_materialize,
-                self.input_kinds(arrays),
-            )
-            return packed, _Residuals(res_arrays, meta)
-        finally:
-            ctx._vjpkit_open = False
+        return self.run_forward(arrays, needs)
 
-    def needs_input_grad(self, perturbed: Any, arrays: Any) -> tuple[bool, ...]:
-        """One flag per parameter: whether JAX differentiates any of its float leaves."""
-        needs = [False] * self.n_params
-        for param, p, x in zip(self.param_of_dynamic, perturbed, arrays):
-            if p and is_differentiable_dtype(jnp.result_type(x)):
-                needs[param] = True
-        return tuple(needs)
-
-    def input_kinds(self, arrays: Any) -> tuple:
-        """Per leaf of the bound arguments: None (static) or the array's type."""
-        kinds: list = [None] * self.layout.treedef.num_leaves
-        for k, x in zip(self.layout.dynamic, arrays):
-            kinds[k] = (*_kind(x), _jax_internals.varying_axes(x))
-        return tuple(kinds)
-
-    def _bwd(self, residuals: _Residuals, cotangents: Packed) -> tuple:
-        meta = residuals.meta
-        grads = output_cotangents(
-            cotangents.layout, cotangents.arrays, meta.out_avals, meta.differentiable, meta.materialize
-        )
-        if not self.spec.once_differentiable:
-            return tuple(self._backward(meta, residuals.arrays, grads))
-        grad_leaves, grad_treedef = jax.tree_util.tree_flatten(grads)
-        n_res = len(residuals.arrays)
-
-        def backward_of_arrays(*xs: Any) -> list:
-            return self._backward(meta, xs[:n_res], jax.tree_util.tree_unflatten(grad_treedef, xs[n_res:]))
-
-        return tuple(
-            call_without_derivative(
-                backward_of_arrays, (*residuals.arrays, *grad_leaves), self.once_message()
-            )
-        )
-
-    def once_message(self) -> str:
-        return (
-            f"{self.spec.name}.backward is decorated with @once_differentiable, so it "
-            "cannot be differentiated (a second derivative such as jax.hessian or "
-            "grad of grad was asked for). Remove the decorator if backward is "
-            "written in differentiable JAX operations."
-        )
-
-    def _backward(self, meta: _ResidualMeta, res_arrays: Any, grads: tuple) -> list:
-        spec = self.spec
-        saved, attributes = meta.layout.rebuild(res_arrays)
-        ctx = FunctionCtx(spec.name, meta.needs)
-        ctx._vjpkit_method = "backward"
-        ctx._vjpkit_saved = saved
-        ctx._vjpkit_materialize = meta.materialize
-        ctx.__dict__.update(attributes)
-        return self.run_backward(ctx, grads, meta.in_kinds, meta.needs)
-
-    def run_backward(self, ctx: FunctionCtx, grads: tuple, in_kinds: tuple, needs: tuple) -> list:
-        """The user's backward, its result checked: one cotangent (or None) per array input leaf."""
-        try:
-            result = self.spec.backward(ctx, *grads)
-        finally:
-            ctx._vjpkit_open = False
-        cotangents = check_backward_outputs(
-            self.spec.name, result, self.param_treedefs, self.names, in_kinds, needs
-        )
-        if self.anomaly:
-            self.check_gradients(cotangents)
-        return cotangents
-
-    # -- vjpkit.detect_anomaly ----------------------------------------------
-
-    def check_outputs(self, packed: Packed) -> None:
-        labelled = [(f"output {j}", a) for j, a in enumerate(packed.arrays)]
-        _anomaly.check_finite(self.spec.name, "forward", labelled)
-
-    def check_gradients(self, grads: list, method: str = "backward") -> None:
-        """``grads``: one per array input leaf, as ``check_backward_outputs`` returns them."""
-        labels = _anomaly.input_labels(self.names, self.param_treedefs, self.layout.dynamic)
-        _anomaly.check_finite(self.spec.name, method, list(zip(labels, grads)))
+    def _bwd(self, residuals: Residuals, cotangents: Packed) -> tuple:
+        return tuple(self.run_backward(residuals, cotangents.layout, cotangents.arrays))
 
 
 _JAX_NO_FORWARD_MODE = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
 
 
-def _no_forward_mode(spec: _Spec) -> TypeError:
+def _no_forward_mode(spec: Spec) -> TypeError:
     return TypeError(
         f"{spec.name} has no forward-mode derivative (jax.jvp, jax.jacfwd, "
         f"jax.linearize): it defines backward but no jvp. Add a "
@@ -322,7 +112,7 @@ def _no_forward_mode(spec: _Spec) -> TypeError:
     )
 
 
-def _leaked_tracer(spec: _Spec, e: UnexpectedTracerError) -> UnexpectedTracerError:
+def _leaked_tracer(spec: Spec, e: UnexpectedTracerError) -> UnexpectedTracerError:
     # JAX's report says where the value was created; vjpkit says why and what to do.
     return UnexpectedTracerError(
         f"{spec.name}: an array that leaked out of an earlier trace was used here "
@@ -353,7 +143,7 @@ def _named(fn: Callable, name: str) -> Callable:
 class _Cache:
     """Programs by static signature, least recently used dropped first."""
 
-    def __init__(self, spec: _Spec):
+    def __init__(self, spec: Spec):
         self.spec = spec
         self.programs: collections.OrderedDict = collections.OrderedDict()
         self.lock = threading.Lock()
@@ -362,8 +152,15 @@ class _Cache:
         # arity -> jitted program, for calls whose arguments are all plain
         # arrays: their layout is known without flattening anything.
         self.fast: dict[int, Callable] = {}
+        _CACHES.add(self)
 
-    def program(self, key: Any, layout: Layout, n_values: int, anomaly: bool = False) -> tuple[_Program, Callable]:
+    def clear(self) -> None:
+        """Drops every program (``apply`` holds ``fast`` itself, so it is emptied in place)."""
+        with self.lock:
+            self.programs.clear()
+            self.fast.clear()
+
+    def program(self, key: Any, layout: Partition, n_values: int, anomaly: bool = False) -> tuple[_Program, Callable]:
         """The program for ``key`` and its jit."""
         with self.lock:
             entry = self.programs.get(key)
@@ -381,7 +178,8 @@ class _Cache:
     def call(self, args: tuple, kwargs: dict) -> Any:
         spec = self.spec
         values = spec.signature.bind(args, kwargs)
-        key, layout, arrays = split_static(values)
+        layout, arrays = partition(values, is_array)
+        key = layout.key  # the static part of the call
         anomaly = _anomaly.enabled()
         if anomaly:  # a program with NaN/Inf checks, never on the fast path
             key = ("detect_anomaly", key)
@@ -418,6 +216,15 @@ class _Cache:
             return CacheInfo(len(self.programs), self.spec.cache_size, self.hits, self.misses)
 
 
+_CACHES: weakref.WeakSet[_Cache] = weakref.WeakSet()  # every Function's, while its class lives
+
+
+@on_clear
+def _clear_function_caches() -> None:
+    for cache in list(_CACHES):
+        cache.clear()
+
+
 def _make_apply(cache: _Cache) -> Callable:
     fast = cache.fast
     slow = cache.call
@@ -445,13 +252,15 @@ def _make_apply(cache: _Cache) -> Callable:
 class _FunctionMeta(type):
     """Builds a class's spec, cache and ``apply`` once, when the class is created."""
 
+    forward: Callable[..., Any]  # what every class it builds has
+
     def __init__(cls, name: str, bases: tuple, namespace: dict, **kwargs: Any):
         super().__init__(name, bases, namespace, **kwargs)
         if not any(isinstance(b, _FunctionMeta) for b in bases):
             return  # Function itself
         if cls.forward is Function.forward:
             return  # an abstract intermediate base
-        cache = _Cache(_Spec(cls))
+        cache = _Cache(Spec(cls, Function))
         cls._vjpkit_cache = cache
         cls.apply = staticmethod(_make_apply(cache))
 

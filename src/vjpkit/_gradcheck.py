@@ -51,8 +51,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import sys
 import threading
+import types
 import warnings
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -60,10 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._args import static_key_of
+from ._caches import on_clear
 from ._ctx import is_array
-
-__all__ = ["GradcheckError", "JacobianMismatch", "gradcheck", "gradgradcheck"]
+from ._tree import Partition, partition, static_key
 
 # Largest batch of perturbed inputs (or one-hot cotangents) vmapped at once,
 # in bytes of float64 inputs plus outputs. Beyond it the batch is split into
@@ -353,15 +356,15 @@ def _differentiable_outputs(out: Any) -> list[tuple[tuple, jax.Array]]:
 
 
 # ---------------------------------------------------------------------------
-# The inputs: perturbed, fixed and static leaves (one split, as in _args.py).
+# The inputs: perturbed, fixed and static leaves (the split of _tree.py).
 
 
 def _is_inexact(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-class _Partition:
-    """The leaves of the arguments, sorted into perturbed, fixed and static ones.
+class _Inputs(NamedTuple):
+    """The leaves of the arguments: arrays apart from static leaves, and which arrays are perturbed.
 
     gradcheck perturbs floating and complex arrays only. Integer and bool
     arrays are passed to the compiled program but held fixed; every other
@@ -369,48 +372,32 @@ class _Partition:
     and is part of the cache key, as vjpkit's own argument split does.
     """
 
-    __slots__ = ("treedef", "kinds", "static", "paths", "key")
+    layout: Partition  # array leaves (dynamic) apart from static ones
+    perturbed: tuple  # per array leaf: perturbed (floating or complex) or held fixed
+    sites: tuple  # per array leaf: (argument index, pytree path)
 
-    def __init__(self, treedef: Any, kinds: tuple, static: tuple, paths: tuple):
-        self.treedef = treedef
-        self.kinds = kinds  # "diff" | "fixed" | "static", one per leaf
-        self.static = static  # ((leaf position, value), ...)
-        self.paths = paths  # key path of each leaf
-        self.key = (treedef, kinds, tuple((i, static_key_of(v)) for i, v in static))
+    @property
+    def key(self) -> tuple:
+        return (self.layout.key, self.perturbed)
 
     def merge(self, diff: Sequence, fixed: Sequence) -> tuple:
         """The arguments, with ``diff`` and ``fixed`` in place of those leaves."""
-        leaves: list = [None] * len(self.kinds)
-        for i, value in self.static:
-            leaves[i] = value
         it_diff, it_fixed = iter(diff), iter(fixed)
-        for i, kind in enumerate(self.kinds):
-            if kind == "diff":
-                leaves[i] = next(it_diff)
-            elif kind == "fixed":
-                leaves[i] = next(it_fixed)
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+        return self.layout.combine([next(it_diff) if p else next(it_fixed) for p in self.perturbed])
 
     def diff_sites(self) -> list[tuple[int, str]]:
         """(argument index, pytree path) of each perturbed leaf."""
-        return [_site(p) for p, k in zip(self.paths, self.kinds) if k == "diff"]
+        return [site for site, p in zip(self.sites, self.perturbed, strict=True) if p]
 
 
-def _partition(args: tuple) -> tuple[_Partition, list, list]:
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
-    kinds, static, paths, diff, fixed = [], [], [], [], []
-    for i, (path, leaf) in enumerate(path_leaves):
-        paths.append(path)
-        if is_array(leaf) and _is_inexact(leaf):
-            kinds.append("diff")
-            diff.append(leaf)
-        elif is_array(leaf):
-            kinds.append("fixed")
-            fixed.append(leaf)
-        else:
-            kinds.append("static")
-            static.append((i, leaf))
-    return _Partition(treedef, tuple(kinds), tuple(static), tuple(paths)), diff, fixed
+def _split(args: tuple) -> tuple[_Inputs, list, list]:
+    layout, arrays = partition(args, is_array)
+    perturbed = tuple(_is_inexact(a) for a in arrays)
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    sites = tuple(_site(paths[i]) for i in layout.dynamic)
+    diff = [a for a, p in zip(arrays, perturbed, strict=True) if p]
+    fixed = [a for a, p in zip(arrays, perturbed, strict=True) if not p]
+    return _Inputs(layout, perturbed, sites), diff, fixed
 
 
 def _site(path: tuple) -> tuple[int, str]:
@@ -436,7 +423,7 @@ def _from_real_view(x: jax.Array, is_complex: bool) -> jax.Array:
 class _Port(NamedTuple):
     """A differentiable input or output leaf, as the report names it."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the argument's position, shadowing tuple.index
     path: str
     shape: tuple  # the leaf's own shape
     dtype: Any
@@ -484,6 +471,11 @@ class _Notes:
         self.batched_errors: dict[int, BaseException] = {}
         self.sequential: list[tuple[str, BaseException]] = []
 
+    def detach(self) -> None:
+        """Drops the tracebacks of the recorded errors: the cache must not keep the user's frames."""
+        for e in (*self.undefined_errors.values(), *self.batched_errors.values(), *(e for _, e in self.sequential)):
+            _detached(e)
+
 
 def _batched(f: Callable, xs: Any, n: int, per_item: int, notes: _Notes, where: str) -> Any:
     """``vmap(f)(xs)``, chunked when large, a sequential loop when ``f`` cannot be vmapped."""
@@ -499,7 +491,7 @@ def _batched(f: Callable, xs: Any, n: int, per_item: int, notes: _Notes, where: 
         return out
 
 
-def _evaluator(fn: Callable, partition: _Partition, inputs: list[_Port], notes: _Notes) -> Callable:
+def _evaluator(fn: Callable, split: _Inputs, inputs: list[_Port], notes: _Notes) -> Callable:
     """``fn`` as a function of the real views of the perturbed leaves.
 
     Returns the real views (float64) of fn's differentiable output leaves,
@@ -507,8 +499,8 @@ def _evaluator(fn: Callable, partition: _Partition, inputs: list[_Port], notes: 
     """
 
     def evaluate(x: tuple, fixed: tuple) -> tuple:
-        diff = [_from_real_view(v, p.is_complex) for v, p in zip(x, inputs)]
-        outputs = _differentiable_outputs(fn(*partition.merge(diff, fixed)))
+        diff = [_from_real_view(v, p.is_complex) for v, p in zip(x, inputs, strict=True)]
+        outputs = _differentiable_outputs(fn(*split.merge(diff, fixed)))
         notes.outputs = [
             _Port(*_site(path), tuple(y.shape), y.dtype, jnp.iscomplexobj(y)) for path, y in outputs
         ]
@@ -628,6 +620,7 @@ class _Trace:
         self.f, self.x, self.options, self.notes = f, x, options, notes
         self.steps, self.scale, self.atol, self.rtol = numbers
         self.directions, self.report = directions, report
+        self.pullback: Any  # None without check_backward_ad
         if options.check_backward_ad:
             self.ys, self.pullback = jax.vjp(f, x)
         else:
@@ -703,7 +696,7 @@ class _Output(NamedTuple):
 
 
 def _build_program(evaluate: Callable, options: _Options, notes: _Notes, report: bool,
-                   failing_alone: frozenset = frozenset()) -> Callable:
+                   failing_alone: frozenset = frozenset()) -> Any:
     """The jitted check of ``evaluate``: derivatives, comparisons and the extra checks, in one program.
 
     Tolerances and ``eps`` are arguments, so changing them does not recompile.
@@ -764,8 +757,11 @@ def _fast_body(t: _Trace) -> tuple:
     """
     us, vs = t.directions
     numerical = []  # [k][j]: J_jk u_k by central differences
-    for k, (xk, u) in enumerate(zip(t.x, us)):
-        out = _batched(lambda h: t.f(_replace(t.x, k, xk + h * u)), t.steps, 2, t.per_item, t.notes, "fn")
+    for k, (xk, u) in enumerate(zip(t.x, us, strict=True)):
+        def shifted(h: jax.Array, k: int = k, xk: jax.Array = xk, u: np.ndarray = u) -> tuple:
+            return t.f(_replace(t.x, k, xk + h * u))
+
+        out = _batched(shifted, t.steps, 2, t.per_item, t.notes, "fn")
         numerical.append([((y[0] - y[1]) * t.scale).reshape(-1) for y in out])
     blocks: dict = {"numerical": numerical}
     analytical = []  # [j][k]: v_j^T J_jk
@@ -823,7 +819,7 @@ def _forward_mode_errors(evaluate: Callable, inputs: list[_Port], fixed: list,
         if "forward-mode" not in str(e):
             raise
         return e, {}
-    undefined = {}
+    undefined: dict[int, BaseException] = {}
     for k in range(len(x)) if each_input else ():
         try:
             lower(lambda x, fixed, k=k: jax.jvp(lambda v: evaluate(_replace(x, k, v), fixed), (x[k],), (x[k],)))
@@ -851,48 +847,64 @@ def _has_host_calls(jaxpr: Any) -> bool:
 
 
 class _Checker:
-    """One function checked at one input signature with one set of options."""
+    """One function checked at one input signature with one set of options.
 
-    def __init__(self, fn: Callable, partition: _Partition, diff: list, options: _Options):
+    It holds no reference to the function (``run`` is given it), so that
+    the cache, keyed weakly on the function, lets the function go.
+    """
+
+    def __init__(self, split: _Inputs, diff: list, options: _Options):
         self.options = options
-        self.inputs = _input_ports(partition, diff)
-        self.notes = _Notes()
-        self.evaluate = _evaluator(fn, partition, self.inputs, self.notes)
-        self._compiled: dict[bool, Callable] = {}  # report variant or not -> compiled program
+        self.split = split
+        self.inputs = _input_ports(split, diff)
+        self.outputs: list[_Port] = []  # fn's differentiable outputs (known after the first trace)
+        # report variant or not -> (compiled program, what its trace recorded): the
+        # variants record their summary rows in different orders.
+        self._variants: dict[bool, tuple[Callable, _Notes]] = {}
         self.forward_unavailable: BaseException | None = None  # why fn has no forward mode
         self.forward_undefined_errors: dict[int, BaseException] = {}  # input alone -> jvp's error
         self.directions: tuple = ()  # fast mode's (us, vs)
         self.rerun = False  # whether to run twice for nondet_tol (decided at the first trace)
 
-    def run(self, diff: list, fixed: list, tol: _Tolerances, report: bool = False) -> _Output:
+    def run(self, fn: Callable, diff: list, fixed: list, tol: _Tolerances,
+            report: bool = False) -> tuple[_Output, _Notes]:
+        """Runs the program (the report variant: with full Jacobians); its output and its trace's notes."""
         args = (tuple(diff), tuple(fixed), _Numbers.of(tol))
-        if report not in self._compiled:
-            self._compiled[report] = self._compile(args, report)
-        return self._compiled[report](*args, self.directions)
+        variant = self._variants.get(report)
+        if variant is None:
+            variant = self._variants[report] = self._compile(fn, args, report)
+        compiled, notes = variant
+        return compiled(*args, self.directions), notes
 
-    def _compile(self, args: tuple, report: bool) -> Callable:
-        if not self._compiled:  # the first program: learn what fn supports
+    def _compile(self, fn: Callable, args: tuple, report: bool) -> tuple[Callable, _Notes]:
+        if not self._variants:  # the first program: learn what fn supports
             fixed = args[1]
+            probe = _evaluator(fn, self.split, self.inputs, _Notes())
             if self.options.check_forward_ad:
                 each_input = self.options.check_undefined_grad and len(self.inputs) > 1
-                self.forward_unavailable, self.forward_undefined_errors = _forward_mode_errors(
-                    self.evaluate, self.inputs, fixed, each_input)
+                unavailable, undefined = _forward_mode_errors(probe, self.inputs, fixed, each_input)
+                self.forward_unavailable = None if unavailable is None else _detached(unavailable)
+                self.forward_undefined_errors = {k: _detached(e) for k, e in undefined.items()}
             if self.options.fast_mode:
-                self.directions = _random_directions(self.evaluate, self.inputs, fixed)
+                self.directions = _random_directions(probe, self.inputs, fixed)
         options = self.options
         if self.forward_unavailable is not None:
             options = options._replace(check_forward_ad=False)
-        program = _build_program(self.evaluate, options, self.notes, report, frozenset(self.forward_undefined_errors))
+        notes = _Notes()
+        evaluate = _evaluator(fn, self.split, self.inputs, notes)
+        program = _build_program(evaluate, options, notes, report, frozenset(self.forward_undefined_errors))
         traced = program.trace(*args, self.directions)
         if not report:
             self.rerun = jax.default_backend() != "cpu" or _has_host_calls(traced.jaxpr)
-        return traced.lower().compile()
+        self.outputs = notes.outputs
+        notes.detach()
+        return traced.lower().compile(), notes
 
 
-def _input_ports(partition: _Partition, diff: list) -> list[_Port]:
+def _input_ports(split: _Inputs, diff: list) -> list[_Port]:
     return [
         _Port(index, path, tuple(np.shape(v)), v.dtype, jnp.iscomplexobj(v))
-        for (index, path), v in zip(partition.diff_sites(), diff)
+        for (index, path), v in zip(split.diff_sites(), diff, strict=True)
     ]
 
 
@@ -900,27 +912,75 @@ def _signature(diff: list, fixed: list) -> tuple:
     return tuple((np.shape(v), np.dtype(v.dtype)) for v in (*diff, *fixed))
 
 
-_cache: collections.OrderedDict = collections.OrderedDict()
-_cache_lock = threading.Lock()
+def _detached(e: BaseException) -> BaseException:
+    """``e`` without its traceback (and its causes'), which would keep the user's frames alive."""
+    seen = set()
+    error: BaseException | None = e
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+    return e
 
 
-def _cached(key: Any, make: Callable[[], Any]) -> Any:
-    """A least-recently-used cache of checkers (and of output structures)."""
-    with _cache_lock:
-        if key in _cache:
-            _cache.move_to_end(key)
-            return _cache[key]
-    value = make()
-    with _cache_lock:
-        _cache[key] = value
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    return value
+class _Cache:
+    """Checkers (and output structures), per function, dropped with the function.
+
+    Keyed weakly on the function, as Equinox's compile cache is: the values
+    never refer to it, so deleting a function frees it and what its closure
+    holds. A bound method is keyed on its object; a ``gradgradcheck`` VJP on
+    the function it differentiates. Callables that cannot be weakly
+    referenced are kept, least recently used dropped first.
+    """
+
+    def __init__(self) -> None:
+        self.by_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.strong: collections.OrderedDict = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, fn: Callable, key: Any, make: Callable[[], Any]) -> Any:
+        owner, part = _owner(fn)
+        key = (part, key)
+        with self.lock:
+            try:
+                entries = self.by_owner.get(owner)
+                if entries is None:
+                    entries = self.by_owner[owner] = collections.OrderedDict()
+            except TypeError:  # not weakly referenceable, or unhashable
+                entries, key = self.strong, (static_key(owner), key)
+            if key in entries:
+                entries.move_to_end(key)
+                return entries[key]
+        value = make()
+        with self.lock:
+            entries[key] = value
+            while len(entries) > _CACHE_SIZE:
+                entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        with self.lock:
+            self.by_owner.clear()
+            self.strong.clear()
 
 
-def _checker(fn: Callable, partition: _Partition, diff: list, fixed: list, options: _Options) -> _Checker:
-    key = ("checker", static_key_of(fn), partition.key, _signature(diff, fixed), options)
-    return _cached(key, lambda: _Checker(fn, partition, diff, options))
+def _owner(fn: Callable) -> tuple[Any, Any]:
+    """The object whose life a cache entry for ``fn`` follows, and what else tells ``fn`` apart."""
+    if isinstance(fn, _VJPOf):
+        owner, part = _owner(fn.fn)
+        return owner, ("vjp", fn.n_args, part)
+    if isinstance(fn, types.MethodType):  # a new object at each attribute access
+        return fn.__self__, ("method", static_key(fn.__func__))
+    return fn, None
+
+
+_cache = _Cache()
+on_clear(_cache.clear)
+
+
+def _checker(fn: Callable, split: _Inputs, diff: list, fixed: list, options: _Options) -> _Checker:
+    key = ("checker", split.key, _signature(diff, fixed), options)
+    return _cache.get(fn, key, lambda: _Checker(split, diff, options))
 
 
 # ---------------------------------------------------------------------------
@@ -940,24 +1000,24 @@ def _run(fn, args, options, tol, naming, raise_exception) -> bool:
 
 
 def _check(fn, args, options, tol, naming) -> None:
-    partition, diff, fixed = _partition(args)
+    split, diff, fixed = _split(args)
     if not diff:
         raise ValueError(
             "gradcheck: no floating-point or complex array among the inputs, so there is "
             "nothing to differentiate. Integer arrays and non-array inputs (Python scalars, "
             "strings) are held fixed; pass jnp.asarray(c, dtype=float) to check a scalar."
         )
-    for (index, path), v in zip(partition.diff_sites(), diff):
+    for (index, path), v in zip(split.diff_sites(), diff, strict=True):
         if np.dtype(v.dtype) not in (np.float64, np.complex128):
             _warn(
                 f"{naming.input(index, path)} has dtype {np.dtype(v.dtype).name}; gradcheck casts it "
                 "to double precision and checks fn there, since finite differences in single "
                 "precision are too inaccurate to compare with. Pass float64 inputs to silence this warning."
             )
-    checker = _checker(fn, partition, diff, fixed, options)
-    out = checker.run(diff, fixed, tol)
+    checker = _checker(fn, split, diff, fixed, options)
+    out, notes = checker.run(fn, diff, fixed, tol)
     summary = _summary(out)
-    for message in _trace_warnings(checker, naming):
+    for message in _trace_warnings(checker, notes, naming):
         _warn(message)
     problems: list[str] = []
     mismatches: list[JacobianMismatch] = []
@@ -965,19 +1025,19 @@ def _check(fn, args, options, tol, naming) -> None:
         fast_problems = _fast_mode_problems(checker, out, tol, naming)
         if fast_problems:
             problems.append("\n".join(fast_problems))
-            slow = _checker(fn, partition, diff, fixed, options._replace(fast_mode=False))
-            slow_problems, mismatches = _jacobian_report(slow, diff, fixed, tol, naming)
+            slow = _checker(fn, split, diff, fixed, options._replace(fast_mode=False))
+            slow_problems, mismatches = _jacobian_report(fn, slow, diff, fixed, tol, naming)
             problems.append(
                 "The full Jacobians (slow mode), for the complete picture:\n\n" + "\n\n".join(slow_problems)
                 if slow_problems else
                 "The full Jacobians (slow mode) agree element by element within atol and rtol: fast "
                 "mode failed only through its projected tolerance. Use fast_mode=False for this function."
             )
-    elif any(s[0] > 0 for (check, _, _), s in zip(checker.notes.rows, summary) if check in _JACOBIANS):
-        problems, mismatches = _jacobian_report(checker, diff, fixed, tol, naming)
-    problems += _other_problems(checker, summary, naming)
+    elif any(s[0] > 0 for (check, _, _), s in zip(notes.rows, summary, strict=True) if check in _JACOBIANS):
+        problems, mismatches = _jacobian_report(fn, checker, diff, fixed, tol, naming)
+    problems += _other_problems(checker, notes, summary, naming)
     if not problems and checker.rerun and options.check_backward_ad:
-        again = checker.run(diff, fixed, tol)
+        again, _ = checker.run(fn, diff, fixed, tol)
         problems += _reentrancy_problems(checker, out.analytical, again.analytical, tol, naming)
     if checker.forward_unavailable is not None:
         reason = f"{type(checker.forward_unavailable).__name__}: {checker.forward_unavailable}"
@@ -1002,20 +1062,37 @@ def _summary(out: _Output) -> list[np.ndarray]:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(f"gradcheck: {message}", stacklevel=5)  # the caller of gradcheck
+    warnings.warn(f"gradcheck: {message}", stacklevel=_outside_vjpkit())
 
 
-def _trace_warnings(checker: _Checker, naming: _Naming) -> list[str]:
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_vjpkit() -> int:
+    """The ``stacklevel`` of the nearest caller outside vjpkit, so that a warning names the user's line.
+
+    A fixed level would name a line inside vjpkit when gradcheck is called
+    through ``vjpkit.testing`` or the command line.
+    """
+    frame: types.FrameType | None = sys._getframe(1)  # _warn's frame: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _trace_warnings(checker: _Checker, notes: _Notes, naming: _Naming) -> list[str]:
     """What tracing fn showed that the user should know: precision lost, vmap missing."""
     messages = []
-    for port in checker.notes.outputs:
+    for port in checker.outputs:
         if np.dtype(port.dtype) not in (np.float64, np.complex128):
             messages.append(
                 f"{naming.output(port.index, port.path)} has dtype {np.dtype(port.dtype).name} although "
                 "fn ran on float64 inputs; finite differences through a single-precision computation "
                 "are inaccurate."
             )
-    for where, e in checker.notes.sequential:
+    for where, e in notes.sequential:
         messages.append(
             f"{where} does not support vmap, so gradcheck evaluated it in a sequential loop "
             f"(slower). vmap raised {type(e).__name__}: {e}"
@@ -1024,7 +1101,7 @@ def _trace_warnings(checker: _Checker, naming: _Naming) -> list[str]:
 
 
 def _pair(checker: _Checker, j: int, k: int, naming: _Naming) -> str:
-    out, inp = checker.notes.outputs[j], checker.inputs[k]
+    out, inp = checker.outputs[j], checker.inputs[k]
     return f"{naming.output(out.index, out.path)} with respect to {naming.input(inp.index, inp.path)}"
 
 
@@ -1059,14 +1136,14 @@ def _fast_mode_problems(checker: _Checker, out: _Output, tol: _Tolerances, namin
     return problems
 
 
-def _jacobian_report(checker, diff, fixed, tol, naming) -> tuple[list[str], list[JacobianMismatch]]:
+def _jacobian_report(fn, checker, diff, fixed, tol, naming) -> tuple[list[str], list[JacobianMismatch]]:
     """Runs the report variant of the program and describes every mismatching block."""
-    out = checker.run(diff, fixed, tol, report=True)
+    out, notes = checker.run(fn, diff, fixed, tol, report=True)
     summary = _summary(out)
     problems, mismatches = [], []
-    for (check, j, k), s in zip(checker.notes.rows, summary):
+    for (check, j, k), s in zip(notes.rows, summary, strict=True):
         if check in _JACOBIANS and s[0] > 0:
-            m = _mismatch(check, checker.notes.outputs[j], checker.inputs[k],
+            m = _mismatch(check, checker.outputs[j], checker.inputs[k],
                           np.asarray(out.blocks["numerical"][k][j]),
                           np.asarray(out.blocks[check][k][j]), tol, naming)
             mismatches.append(m)
@@ -1076,7 +1153,7 @@ def _jacobian_report(checker, diff, fixed, tol, naming) -> tuple[list[str], list
 
 def _element(port: _Port, flat: int) -> tuple:
     shape = port.shape + ((2,) if port.is_complex else ())
-    index = tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
+    index: tuple = tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
     if port.is_complex:
         index = index[:-1] + (("real", "imag")[index[-1]],)
     return index
@@ -1096,8 +1173,8 @@ def _mismatch(mode, out, inp, numerical, analytical, tol, naming) -> JacobianMis
         input_index=inp.index,
         output_path=out.path,
         input_path=inp.path,
-        output_element=_element(out, c),
-        input_element=_element(inp, r),
+        output_element=_element(out, int(c)),
+        input_element=_element(inp, int(r)),
         numerical_value=n,
         analytical_value=a,
         abs_diff=abs(a - n),
@@ -1146,13 +1223,13 @@ _ZERO_HINT = (
 )
 
 
-def _other_problems(checker: _Checker, summary: np.ndarray, naming: _Naming) -> list[str]:
+def _other_problems(checker: _Checker, notes: _Notes, summary: list, naming: _Naming) -> list[str]:
     """Reports of check_undefined_grad and check_batched_grad."""
-    notes, problems = checker.notes, []
+    problems = []
     forward_errors = {("forward", k): e for k, e in checker.forward_undefined_errors.items()}
     for (mode, index), e in {**notes.undefined_errors, **forward_errors}.items():
         if mode == "backward":
-            out = notes.outputs[index]
+            out = checker.outputs[index]
             problems.append(
                 f"Backward failed with undefined output gradients: using only "
                 f"{naming.output(out.index, out.path)} leaves the gradients of the other outputs "
@@ -1170,12 +1247,12 @@ def _other_problems(checker: _Checker, summary: np.ndarray, naming: _Naming) -> 
                 "check_undefined_grad=False."
             )
     for j, e in notes.batched_errors.items():
-        out = notes.outputs[j]
+        out = checker.outputs[j]
         problems.append(
             f"Batched gradient check failed: vmap of the VJP over gradients of "
             f"{naming.output(out.index, out.path)} raised {type(e).__name__}: {e}"
         )
-    for (check, j, k), (failed, worst, count) in zip(notes.rows, summary):
+    for (check, j, k), (failed, worst, count) in zip(notes.rows, summary, strict=True):
         if failed <= 0 or check in _JACOBIANS:
             continue
         pair = _pair(checker, j, k, naming)
@@ -1203,8 +1280,8 @@ def _other_problems(checker: _Checker, summary: np.ndarray, naming: _Naming) -> 
 
 def _reentrancy_problems(checker, first, second, tol, naming) -> list[str]:
     problems = []
-    for j, (rows1, rows2) in enumerate(zip(first, second)):
-        for k, (a1, a2) in enumerate(zip(rows1, rows2)):
+    for j, (rows1, rows2) in enumerate(zip(first, second, strict=True)):
+        for k, (a1, a2) in enumerate(zip(rows1, rows2, strict=True)):
             worst = float(np.max(np.abs(np.asarray(a1) - np.asarray(a2)), initial=0.0))
             if not worst <= tol.nondet_tol:
                 problems.append(
@@ -1221,44 +1298,36 @@ def _reentrancy_problems(checker, first, second, tol, naming) -> list[str]:
 
 
 class _VJPOf:
-    """``(*args, *cotangents) -> gradients of args`` for ``fn``; hashable, so cached."""
+    """``(*args, *cotangents) -> gradients of args`` for ``fn`` (cached as ``fn``'s, see ``_owner``)."""
 
     def __init__(self, fn: Callable, n_args: int):
         self.fn, self.n_args = fn, n_args
 
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _VJPOf) and (self.fn, self.n_args) == (other.fn, other.n_args)
-
-    def __hash__(self) -> int:
-        return hash((_VJPOf, self.fn, self.n_args))
-
     def __call__(self, *all_args: Any) -> tuple:
         args, cotangents = all_args[: self.n_args], all_args[self.n_args :]
-        partition, diff, fixed = _partition(args)
+        split, diff, fixed = _split(args)
 
         def outputs(d: list) -> list:
-            return [y for _, y in _differentiable_outputs(self.fn(*partition.merge(d, fixed)))]
+            return [y for _, y in _differentiable_outputs(self.fn(*split.merge(d, fixed)))]
 
         ys, pullback = jax.vjp(outputs, list(diff))
-        cts = [jnp.asarray(c).astype(y.dtype) for c, y in zip(jax.tree_util.tree_leaves(cotangents), ys)]
+        cts = [jnp.asarray(c).astype(y.dtype) for c, y in zip(jax.tree_util.tree_leaves(cotangents), ys, strict=True)]
         (grads,) = pullback(cts)
-        leaves: list = [None] * len(partition.kinds)
-        for i, g in zip([i for i, kind in enumerate(partition.kinds) if kind == "diff"], grads):
-            leaves[i] = g
-        return jax.tree_util.tree_unflatten(partition.treedef, leaves)
+        given = iter(grads)
+        return split.layout.combine([next(given) if p else None for p in split.perturbed], keep_static=False)
 
 
 def _output_ports(fn: Callable, args: tuple) -> list[_Port]:
     """fn's differentiable output leaves at these arguments (traced once, cached)."""
-    partition, diff, fixed = _partition(args)
-    key = ("outputs", static_key_of(fn), partition.key, _signature(diff, fixed))
+    split, diff, fixed = _split(args)
+    key = ("outputs", split.key, _signature(diff, fixed))
 
     def trace() -> list[_Port]:
-        notes, inputs = _Notes(), _input_ports(partition, diff)
-        jax.eval_shape(_evaluator(fn, partition, inputs, notes), _real_view_shapes(inputs), tuple(fixed))
+        notes, inputs = _Notes(), _input_ports(split, diff)
+        jax.eval_shape(_evaluator(fn, split, inputs, notes), _real_view_shapes(inputs), tuple(fixed))
         return notes.outputs
 
-    return _cached(key, trace)
+    return _cache.get(fn, key, trace)
 
 
 def _check_grad_outputs(cotangents: tuple, outputs: list[_Port]) -> None:

@@ -23,7 +23,7 @@ Usage::
     jax.jit(jax.grad(lambda A, b: Solve(A, b).sum()))(A, b)
 
 This module turns the user's NumPy methods into JAX-traceable ``forward``
-and ``backward`` methods that the core (``_function._Program``) runs like
+and ``backward`` methods that the core (``_program.Program``) runs like
 any other Function's, so jit, grad, vmap and scan need no second path.
 
 The key differences to a JAX Function are:
@@ -47,11 +47,20 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._ctx import FunctionCtx, _short_repr, is_array
+from ._ctx import (
+    FunctionCtx,
+    _short_repr,
+    call_forward,
+    closing,
+    forwarded,
+    host_residuals,
+    is_array,
+    keep_host_residuals,
+    rule_ctx,
+)
 from ._once import call_without_derivative
 from ._outputs import check_backward_outputs, is_differentiable_dtype
-
-__all__ = ["make_host", "VmapInfo", "VMAP_METHODS"]
+from ._tree import partition
 
 VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
 
@@ -145,18 +154,17 @@ class _HostFunction:
         # the host, so nothing else crosses), and the outputs' static
         # description. Absent output gradients must arrive as None: only the
         # host knows the user's set_materialize_grads/mark_non_differentiable.
-        ctx._vjpkit_host_inputs = values
-        ctx._vjpkit_host_outputs = (
+        out_description = (
             jax.tree_util.tree_structure(out_struct),
             tuple((s.shape, s.dtype) for s in jax.tree_util.tree_leaves(out_struct)),
             source,
         )
+        keep_host_residuals(ctx, (values, out_description))
         ctx.set_materialize_grads(False)
         return out
 
     def backward(self, ctx: FunctionCtx, *grads: Any) -> tuple:
-        values = ctx._vjpkit_host_inputs
-        out_treedef, out_kinds, source = ctx._vjpkit_host_outputs
+        values, (out_treedef, out_kinds, source) = host_residuals(ctx)
         out_struct = jax.tree_util.tree_unflatten(
             out_treedef, [jax.ShapeDtypeStruct(s, d) for s, d in out_kinds]
         )
@@ -167,9 +175,9 @@ class _HostFunction:
         call.grad_present = tuple(g is not None for g in grad_leaves)
         result_struct = [
             jax.ShapeDtypeStruct(shape, dtype)
-            for (shape, dtype), w in zip(call.kinds, call.wanted) if w
+            for (shape, dtype), w in zip(call.kinds, call.wanted, strict=True) if w
         ]
-        gradient_leaves: list = [None] * len(call.leaves)
+        gradients: list = [None] * len(call.arrays)  # per array input leaf
         if result_struct:
 
             def backward_of_arrays(*xs: Any) -> list:
@@ -178,11 +186,11 @@ class _HostFunction:
             computed = iter(call_without_derivative(
                 backward_of_arrays, (*call.arrays, *present), self._second_order_message()
             ))
-            for i, w in zip(call.array_positions, call.wanted):
+            for d, w in enumerate(call.wanted):
                 if w:
-                    gradient_leaves[i] = next(computed)
+                    gradients[d] = next(computed)
         # One gradient per forward parameter, with the parameter's structure.
-        return tuple(jax.tree_util.tree_unflatten(call.treedef, gradient_leaves))
+        return tuple(call.layout.combine(gradients, keep_static=False))
 
     def _second_order_message(self) -> str:
         return (
@@ -196,7 +204,7 @@ class _HostFunction:
         """forward's outputs as a pytree of ShapeDtypeStructs, and where that came from."""
         if self.output_shapes is None:
             names = self.signature.names(len(values))
-            for name, value in zip(names, values):
+            for name, value in zip(names, values, strict=True):
                 for leaf in jax.tree_util.tree_leaves(value):
                     if is_array(leaf):
                         source = (
@@ -247,18 +255,17 @@ class _HostCall:
         self.host = host
         self.name = host.name
         self.needs = needs
-        self.leaves, self.treedef = jax.tree_util.tree_flatten(values)
-        self.array_positions = [i for i, leaf in enumerate(self.leaves) if is_array(leaf)]
-        self.arrays = [self.leaves[i] for i in self.array_positions]
+        self.layout, self.arrays = partition(values, is_array)
         self.kinds = [(tuple(a.shape), np.dtype(a.dtype)) for a in self.arrays]
-        self.param_treedefs = tuple(self.treedef.children())
+        self.param_treedefs = tuple(self.layout.treedef.children())
         self.names = host.signature.names(len(values))
-        param_of_leaf = [i for i, td in enumerate(self.param_treedefs) for _ in range(td.num_leaves)]
+        owners = self.layout.owners()
         self.wanted = [
-            needs[param_of_leaf[i]] and is_differentiable_dtype(dtype)
-            for i, (_, dtype) in zip(self.array_positions, self.kinds)
+            needs[owners[i][0]] and is_differentiable_dtype(dtype)
+            for i, (_, dtype) in zip(self.layout.dynamic, self.kinds, strict=True)
         ]
-        paths, self.out_treedef = jax.tree_util.tree_flatten_with_path(out_struct)
+        paths, out_treedef = jax.tree_util.tree_flatten_with_path(out_struct)
+        self.out_treedef: Any = out_treedef
         self.outputs = [(_output_name(path), tuple(s.shape), np.dtype(s.dtype)) for path, s in paths]
         self.source = source
         # Set by the JAX-side backward: which output gradients JAX passes.
@@ -267,8 +274,8 @@ class _HostCall:
 
     # -- host side: run when the compiled program runs ----------------------
 
-    def _host_values(self, arrays: Any) -> tuple[tuple, tuple]:
-        """The user's arguments, with NumPy arrays, and the vmap batch shape (``()`` if none)."""
+    def _host_arrays(self, arrays: Any) -> tuple[list, tuple]:
+        """The array arguments as NumPy arrays, and the vmap batch shape (``()`` if none)."""
         arrays = [np.asarray(a) for a in arrays]  # read-only views, no copy
         batch: tuple = ()
         if arrays:
@@ -277,48 +284,37 @@ class _HostCall:
             k = arrays[0].ndim - len(self.kinds[0][0])
             if k:
                 batch = tuple(np.broadcast_shapes(*(a.shape[:k] for a in arrays)))
-        leaves = list(self.leaves)
-        for i, a in zip(self.array_positions, arrays):
-            leaves[i] = a
-        return jax.tree_util.tree_unflatten(self.treedef, leaves), batch
+        return arrays, batch
 
     def _run_forward(self, ctx: FunctionCtx, values: tuple, setup: bool) -> Any:
         host = self.host
-        if host.user_setup_context is None:
-            return host.signature.call(host.user_forward, (ctx,), values)
-        out = host.signature.call(host.user_forward, (), values)
-        if setup:
-            ctx._vjpkit_method = "setup_context"
-            host.user_setup_context(ctx, values, out)
-        return out
+        return call_forward(ctx, host.signature, host.user_forward, host.user_setup_context, values, setup)
 
-    def forward(self, *arrays: Any) -> Any:
-        values, batch = self._host_values(arrays)
+    def forward(self, *xs: Any) -> Any:
+        arrays, batch = self._host_arrays(xs)
         if batch and self.host.vmap is not None:
-            out = self._run_vmap(values, batch)
+            out = self._run_vmap(arrays, batch)
         else:
-            ctx = FunctionCtx(self.name, self.needs, values)
-            try:
+            values = self.layout.combine(arrays)
+            with closing(FunctionCtx(self.name, self.needs, values)) as ctx:
                 out = self._run_forward(ctx, values, setup=False)
-            finally:
-                ctx._vjpkit_open = False
         return self._check_outputs(out, batch)[1]
 
-    def _run_vmap(self, values: tuple, batch: tuple) -> Any:
+    def _run_vmap(self, arrays: list, batch: tuple) -> Any:
         """Calls the user's PyTorch-style ``vmap(info, in_dims, *args)`` with one batch axis."""
         size = math.prod(batch)
         k = len(batch)
-        leaves, treedef = jax.tree_util.tree_flatten(values)
-        dims: list = [None] * len(leaves)
-        for i in self.array_positions:
-            a = leaves[i]
+        batched: list = []
+        dims: list[int | None] = []
+        for a in arrays:
             if size != 1 and all(d == 1 for d in a.shape[:k]):
-                leaves[i] = a.reshape(a.shape[k:])  # not batched
+                batched.append(a.reshape(a.shape[k:]))  # not batched
+                dims.append(None)
             else:
-                leaves[i] = np.broadcast_to(a, batch + a.shape[k:]).reshape((size, *a.shape[k:]))
-                dims[i] = 0
-        in_dims = tuple(jax.tree_util.tree_unflatten(treedef, dims))
-        values = jax.tree_util.tree_unflatten(treedef, leaves)
+                batched.append(np.broadcast_to(a, batch + a.shape[k:]).reshape((size, *a.shape[k:])))
+                dims.append(0)
+        in_dims = tuple(self.layout.combine(dims, keep_static=False))
+        values = self.layout.combine(batched)
         result = self.host.signature.call(self.host.vmap, (VmapInfo(size), in_dims), values)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
@@ -326,13 +322,14 @@ class _HostCall:
                 "(outputs, out_dims), as torch.autograd.Function.vmap does."
             )
         out, out_dims = result
+        out_treedef: Any
         out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
         if out_dims is None or isinstance(out_dims, int):
             out_dims = [out_dims] * len(out_leaves)
         else:
             out_dims = out_treedef.flatten_up_to(out_dims)
         moved = []
-        for leaf, d in zip(out_leaves, out_dims):
+        for leaf, d in zip(out_leaves, out_dims, strict=True):
             leaf = np.asarray(leaf)
             leaf = np.broadcast_to(leaf, (size, *leaf.shape)) if d is None else np.moveaxis(leaf, d, 0)
             moved.append(leaf.reshape(batch + leaf.shape[1:]))
@@ -355,7 +352,7 @@ class _HostCall:
                 "forward's return structure."
             )
         arrays = []
-        for (name, shape, dtype), leaf in zip(self.outputs, got_leaves):
+        for (name, shape, dtype), leaf in zip(self.outputs, got_leaves, strict=True):
             a = np.asarray(leaf)
             shape = batch + shape
             if a.shape != shape or not np.can_cast(a.dtype, dtype, casting="same_kind"):
@@ -371,34 +368,26 @@ class _HostCall:
 
     def backward(self, *xs: Any) -> list:
         n = len(self.arrays)
-        values, batch = self._host_values(xs[:n])
+        arrays, batch = self._host_arrays(xs[:n])
+        values = self.layout.combine(arrays)
         # Re-run forward: it rebuilds ctx (saved arrays, attributes, flags)
         # on the host, so none of it has to cross into JAX.
-        ctx = FunctionCtx(self.name, self.needs, values)
-        try:
+        with closing(FunctionCtx(self.name, self.needs, values)) as ctx:
             out_leaves, _ = self._check_outputs(self._run_forward(ctx, values, setup=True), batch)
-        finally:
-            ctx._vjpkit_open = False
-        marked = {id(x) for x in ctx._vjpkit_non_differentiable}
-        materialize = ctx._vjpkit_materialize
+        left = forwarded(ctx)
+        marked = {id(x) for x in left.non_differentiable}
+        materialize = left.materialize
         given = iter(xs[n:])
         grads = []
-        for leaf, (_, shape, dtype), present in zip(out_leaves, self.outputs, self.grad_present):
+        for leaf, (_, shape, dtype), present in zip(out_leaves, self.outputs, self.grad_present, strict=True):
             g = np.asarray(next(given)) if present else None
             if g is None or id(leaf) in marked:
                 g = np.zeros(batch + shape, dtype) if materialize else None
             grads.append(g)
-        backward_ctx = FunctionCtx(self.name, self.needs)
-        backward_ctx._vjpkit_method = "backward"
-        backward_ctx._vjpkit_saved = ctx._vjpkit_saved
-        backward_ctx._vjpkit_materialize = materialize
-        backward_ctx.__dict__.update(ctx._user_attributes())
-        try:
+        with closing(rule_ctx(self.name, "backward", self.needs, left.carried, materialize)) as backward_ctx:
             result = self.host.user_backward(
                 backward_ctx, *jax.tree_util.tree_unflatten(self.grad_treedef, grads)
             )
-        finally:
-            backward_ctx._vjpkit_open = False
         return self._check_gradients(result, batch)
 
     def _check_gradients(self, result: Any, batch: tuple) -> list:
@@ -412,15 +401,13 @@ class _HostCall:
         kinds = [(batch + shape, dtype) for shape, dtype in self.kinds]
         plain = self._plain_gradients(result, kinds)
         if plain is None:
-            leaf_kinds: list = [None] * len(self.leaves)
-            for i, kind in zip(self.array_positions, kinds):
-                leaf_kinds[i] = kind
+            leaf_kinds = self.layout.leaves(kinds, keep_static=False)
             plain = check_backward_outputs(
                 self.name, result, self.param_treedefs, self.names, leaf_kinds, self.needs
             )
         return [
             np.zeros(shape, dtype) if g is None else np.asarray(g, dtype)
-            for g, (shape, dtype), w in zip(plain, kinds, self.wanted)
+            for g, (shape, dtype), w in zip(plain, kinds, self.wanted, strict=True)
             if w
         ]
 
@@ -434,8 +421,8 @@ class _HostCall:
         plain = []
         leaf = 0
         kind = iter(kinds)
-        for param, (td, g) in enumerate(zip(self.param_treedefs, result)):
-            if td.num_leaves == 0 or not is_array(self.leaves[leaf]):
+        for param, (td, g) in enumerate(zip(self.param_treedefs, result, strict=True)):
+            if td.num_leaves == 0 or leaf not in self.layout.dynamic:
                 if g is not None:
                     return None  # a gradient for a static input: the check raises
             elif td != _LEAF:

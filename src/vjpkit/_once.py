@@ -7,8 +7,6 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 
-__all__ = ["once_differentiable", "is_once_differentiable", "call_without_derivative"]
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 

@@ -17,87 +17,43 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from . import _jax_internals
-from ._args import as_jax_leaf, static_key_of
+from ._args import as_jax_leaf
 from ._ctx import _short_repr, is_array
-
-__all__ = [
-    "Packed",
-    "OutputLayout",
-    "pack_outputs",
-    "output_cotangents",
-    "check_backward_outputs",
-    "differentiable_outputs",
-    "is_differentiable_dtype",
-]
+from ._tree import Partition, partition
 
 
 def is_differentiable_dtype(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
-class OutputLayout:
-    """The static part of forward's output: its structure and non-array leaves."""
-
-    __slots__ = ("treedef", "static", "dynamic", "spread", "_key")
-
-    def __init__(self, treedef: Any, static: tuple, dynamic: tuple, spread: bool):
-        self.treedef = treedef
-        self.static = static
-        self.dynamic = dynamic
-        self.spread = spread  # a tuple output: one backward argument per element
-        self._key = (treedef, tuple((i, static_key_of(v)) for i, v in static), spread)
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, OutputLayout) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
-
-    def rebuild(self, dynamic_values: Sequence[Any], static_fill: Any = None, *, keep_static: bool = True) -> Any:
-        leaves = [None] * self.treedef.num_leaves
-        for i, value in self.static:
-            leaves[i] = value if keep_static else static_fill
-        for i, value in zip(self.dynamic, dynamic_values):
-            leaves[i] = value
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
-
 class Packed:
-    """Forward's output as a pytree of arrays; ``unpack`` gives the user's value."""
+    """Forward's output as a pytree of arrays; ``unpack`` gives the user's value.
+
+    ``layout`` (the output's structure and non-array leaves) is static data,
+    which is how ``custom_vjp`` and ``jit`` let non-array outputs through.
+    """
 
     __slots__ = ("arrays", "layout")
 
-    def __init__(self, arrays: tuple, layout: OutputLayout):
+    def __init__(self, arrays: tuple, layout: Partition):
         self.arrays = arrays
         self.layout = layout
 
     def unpack(self) -> Any:
-        return self.layout.rebuild(self.arrays)
+        return self.layout.combine(self.arrays)
 
 
-jax.tree_util.register_pytree_node(
-    Packed,
-    lambda p: (p.arrays, p.layout),
-    lambda layout, arrays: Packed(tuple(arrays), layout),
-)
+jax.tree_util.register_dataclass(Packed, data_fields=["arrays"], meta_fields=["layout"])
 
 
 def pack_outputs(owner: str, out: Any) -> Packed:
-    leaves, treedef = jax.tree_util.tree_flatten(out)
-    static, dynamic, arrays = [], [], []
-    for i, leaf in enumerate(leaves):
-        if is_array(leaf):
-            dynamic.append(i)
-            arrays.append(as_jax_leaf(leaf))
-        else:
-            static.append((i, leaf))
-    if not arrays and leaves:
+    layout, arrays = partition(out, is_array)
+    if not arrays and layout.static:
         raise TypeError(
             f"{owner}.forward returned no array ({_short_repr(out)}); a Function "
             "must return at least one array."
         )
-    layout = OutputLayout(treedef, tuple(static), tuple(dynamic), type(out) is tuple)
-    return Packed(tuple(arrays), layout)
+    return Packed(tuple(map(as_jax_leaf, arrays)), layout)
 
 
 def differentiable_outputs(out: Any, non_differentiable: Sequence[Any]) -> tuple[bool, ...]:
@@ -111,7 +67,7 @@ def differentiable_outputs(out: Any, non_differentiable: Sequence[Any]) -> tuple
 
 
 def output_cotangents(
-    layout: OutputLayout,
+    layout: Partition,
     cotangents: Sequence[Any],
     avals: Sequence[tuple],
     differentiable: Sequence[bool],
@@ -123,13 +79,13 @@ def output_cotangents(
     become zeros, or ``None`` when materialization is off; PyTorch's rule.
     """
     grads = []
-    for ct, (shape, dtype), diff in zip(cotangents, avals, differentiable):
+    for ct, (shape, dtype), diff in zip(cotangents, avals, differentiable, strict=True):
         if diff and not isinstance(ct, SymbolicZero):
             grads.append(ct)
         else:
             grads.append(jnp.zeros(shape, dtype) if materialize else None)
-    structured = layout.rebuild(grads, keep_static=False)
-    return tuple(structured) if layout.spread else (structured,)
+    structured = layout.combine(grads, keep_static=False)
+    return tuple(structured) if layout.is_tuple() else (structured,)
 
 
 def _count_message(owner: str, got: int, names: tuple, was_list: bool) -> str:
@@ -194,9 +150,9 @@ def check_backward_outputs(
     if len(result) != n:
         raise TypeError(_count_message(owner, len(result), names, was_list))
 
-    cotangents = []
+    cotangents: list = []
     leaf = 0
-    for i, (treedef, grad) in enumerate(zip(param_treedefs, result)):
+    for i, (treedef, grad) in enumerate(zip(param_treedefs, result, strict=True)):
         n_leaves = treedef.num_leaves
         kinds = leaf_kinds[leaf : leaf + n_leaves]
         where = f"input {i} ({names[i]!r})"
@@ -218,7 +174,7 @@ def check_backward_outputs(
                     f"{got}, expected the input's structure {treedef} (None is "
                     "allowed for any part)."
                 ) from None
-        for j, (kind, g) in enumerate(zip(kinds, grad_leaves)):
+        for j, (kind, g) in enumerate(zip(kinds, grad_leaves, strict=True)):
             at = where if n_leaves == 1 else f"{where} at leaf {j}"
             if kind is None:
                 if g is not None:
