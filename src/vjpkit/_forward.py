@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _anomaly, _jax_internals
+from . import _anomaly, _jax_internals, _sharding
 from ._args import Layout, split_residuals
 from ._ctx import FunctionCtx, _short_repr, is_array
 from ._once import call_without_derivative
@@ -97,11 +97,13 @@ class _Rule:
         self.in_kinds = program.input_kinds(arrays)
         self.in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
         self.linear = [d for d, p in enumerate(perturbed) if p]
+        self.gradient_shardings = [_sharding.gradient_shardings(self.in_kinds)[d] for d in self.linear]
         self.outputs = [j for j, diff in enumerate(self.differentiable) if diff]
 
         tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
         def backward_rule(residuals: tuple, cotangents: tuple) -> list:
-            return self.apply_backward(residuals, cotangents)
+            # Under Explicit mesh axes: run with them Auto, each gradient typed as its input.
+            return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), self.gradient_shardings)
 
         backward_rule.takes_symbolic_zeros = True  # backward sees None for absent gradients
         if self.linear and self.outputs:
@@ -147,6 +149,8 @@ class _Rule:
         ctx = self._ctx("jvp", residuals)
         try:
             result = self.spec.jvp(ctx, *tangents.rebuild(tangent_leaves))
+        except _sharding.sharding_type_errors() as e:
+            raise _sharding.forward_sharding_error(self.name, "jvp", e) from None
         finally:
             ctx._vjpkit_open = False
         tangents_out = self._check_jvp_outputs(result)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.errors import TracerArrayConversionError, UnexpectedTracerError
 
-from . import _anomaly, _host, _jax_internals
+from . import _anomaly, _host, _jax_internals, _sharding
 from ._args import Layout, Signature, as_jax_leaf, split_residuals, split_static, static_key_of
 from ._ctx import FunctionCtx
 from ._forward import forward_mode_function
@@ -172,6 +172,8 @@ class _Program:
                 out = spec.signature.call(spec.forward, (), values)
                 ctx._vjpkit_method = "setup_context"
                 spec.setup_context(ctx, values, out)
+        except _sharding.sharding_type_errors() as e:
+            raise _sharding.forward_sharding_error(spec.name, ctx._vjpkit_method, e) from None
         except TracerArrayConversionError as e:
             raise TypeError(
                 f"{spec.name}.{ctx._vjpkit_method} converted a traced JAX array to "
@@ -245,10 +247,16 @@ class _Program:
         """Per leaf of the bound arguments: None (static) or the array's type."""
         kinds: list = [None] * self.layout.treedef.num_leaves
         for k, x in zip(self.layout.dynamic, arrays):
-            kinds[k] = (*_kind(x), _jax_internals.varying_axes(x))
+            kinds[k] = (*_kind(x), _jax_internals.varying_axes(x), _sharding.explicit_sharding(x))
         return tuple(kinds)
 
     def _bwd(self, residuals: _Residuals, cotangents: Packed) -> tuple:
+        # Under Explicit mesh axes: run with them Auto, each gradient typed as its input.
+        return _sharding.call_with_auto_axes(
+            self._bwd_rule, (residuals, cotangents), _sharding.gradient_shardings(residuals.meta.in_kinds)
+        )
+
+    def _bwd_rule(self, residuals: _Residuals, cotangents: Packed) -> tuple:
         meta = residuals.meta
         grads = output_cotangents(
             cotangents.layout, cotangents.arrays, meta.out_avals, meta.differentiable, meta.materialize
