@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _jax_internals
+from . import _jax_internals, _sharding
 
 __all__ = ["detect_anomaly", "enabled", "check_finite", "input_labels", "reraise_anomaly"]
 
@@ -137,7 +137,8 @@ def check_finite(owner: str, method: str, labelled: Sequence[tuple[str, Any]]) -
             jnp.argmin(finite.ravel()).astype(jnp.int32),
         ))
     if stats:
-        jax.debug.callback(_Report(owner, method, tuple(wheres)), stats)
+        # On every device: in a multi-process run every process must raise.
+        jax.debug.callback(_Report(owner, method, tuple(wheres)), stats, **_sharding.debug_callback_everywhere())
 
 
 class _Report:

@@ -28,6 +28,7 @@ here returns its input unchanged.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -39,6 +40,7 @@ __all__ = [
     "sharding_type_errors",
     "forward_sharding_error",
     "vary_like",
+    "debug_callback_everywhere",
 ]
 
 
@@ -57,6 +59,7 @@ class _ShardingApi(NamedTuple):
     sharding_type_error: type | None  # raised by an ambiguous operation under Explicit axes
     varying_axes: Callable | None  # x -> frozenset of shard_map axes x varies along
     mark_varying: Callable | None  # (x, axes: tuple) -> x typed as varying along axes too
+    debug_callback_everywhere: dict  # jax.debug.callback's keywords to run on every device
 
 
 @functools.cache
@@ -88,6 +91,10 @@ def _jax_sharding_api() -> _ShardingApi:
             mat = getattr(aval, "mat", None)
             return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
+    # partitioned=True runs a debug callback on every device (so in every
+    # process) with its local shard; without it, sharded programs run it on device 0.
+    everywhere = {"partitioned": True} if "partitioned" in inspect.signature(jax.debug.callback).parameters else {}
+
     from jax._src import core
 
     return _ShardingApi(
@@ -98,7 +105,18 @@ def _jax_sharding_api() -> _ShardingApi:
         sharding_type_error=getattr(core, "ShardingTypeError", None) if explicit else None,
         varying_axes=varying_axes if mark_varying is not None else None,
         mark_varying=mark_varying,
+        debug_callback_everywhere=everywhere,
     )
+
+
+def debug_callback_everywhere() -> dict:
+    """Keywords for ``jax.debug.callback`` to run it on every device, in every process.
+
+    Why: in a sharded program JAX runs a debug callback once, on device 0,
+    so only process 0 would see what it reports. Empty on a JAX whose
+    debug callbacks cannot run on every device (0.4.38).
+    """
+    return dict(_jax_sharding_api().debug_callback_everywhere)
 
 
 # ---------------------------------------------------------------------------
