@@ -32,6 +32,13 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from train_mlp import accuracy, batches, init_params, load_data, loss_fn, make_train_step
+
 # The final losses differ only by float rounding (gradients are summed
 # across devices and processes in another order).
 RTOL = 1e-3
@@ -84,8 +91,6 @@ def launch(args, worker_args):
 
 def initialize(args):
     """Joins the distributed runtime; the coordinator (in process 0) listens on its own address only."""
-    import jax
-
     # CPU devices of different processes talk through gloo (TCP).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     options = dict(coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
@@ -95,7 +100,7 @@ def initialize(args):
     jax.distributed.initialize(**options)
 
 
-def make_mesh(jax):
+def make_mesh():
     """One axis over every device of every process (Auto axes where JAX has axis types)."""
     axis_type = getattr(jax.sharding, "AxisType", None)
     if axis_type is None:
@@ -103,7 +108,7 @@ def make_mesh(jax):
     return jax.make_mesh((jax.device_count(),), ("batch",), axis_types=(axis_type.Auto,))
 
 
-def fsdp_spec(shape, n, P):
+def fsdp_spec(shape, n):
     """Shards an array's first axis that the device count divides; replicates it if none."""
     for axis, size in enumerate(shape):
         if size % n == 0:
@@ -111,40 +116,33 @@ def fsdp_spec(shape, n, P):
     return P()
 
 
-def global_array(jax, value, sharding):
+def global_array(value, sharding):
     """The same value in every process, as one array with ``sharding`` (each process fills its shards)."""
-    import numpy as np
-
     value = np.asarray(value)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def worker(args):
-    initialize(args)
-    import jax
-    import numpy as np
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from train_mlp import accuracy, batches, init_params, load_data, loss_fn, make_train_step
+def fit(mesh, epochs=4, fsdp=False, rows_per_device=16, seed=0, log=print):
+    """Trains on every device of ``mesh``, this process feeding its own rows.
 
-    mesh = make_mesh(jax)
-    n_devices, n_processes, me = jax.device_count(), jax.process_count(), jax.process_index()
-    batch_size = n_devices * args.rows_per_device
+    Returns the last epoch's mean loss and the median step time in seconds
+    (after the first epoch, which compiles). Every process calls it.
+    """
+    n_devices, n_processes, me = mesh.size, jax.process_count(), jax.process_index()
+    batch_size = n_devices * rows_per_device
     rows = batch_size // n_processes  # this process's share of every batch
     by_batch = NamedSharding(mesh, P("batch"))
     replicated = NamedSharding(mesh, P())
 
     def sharding_of(leaf):
-        spec = fsdp_spec(np.shape(leaf), n_devices, P) if args.fsdp else P()
-        return NamedSharding(mesh, spec)
+        return NamedSharding(mesh, fsdp_spec(np.shape(leaf), n_devices) if fsdp else P())
 
-    x_train, x_test, y_train, y_test = load_data(args.seed)
+    x_train, x_test, y_train, y_test = load_data(seed)
     optimizer = optax.adam(1e-3)
-    params = init_params(jax.random.key(args.seed))
+    params = init_params(jax.random.key(seed))
     param_shardings = jax.tree_util.tree_map(sharding_of, params)
     opt_shardings = jax.tree_util.tree_map(sharding_of, jax.eval_shape(optimizer.init, params))
-    params = jax.tree_util.tree_map(lambda p, s: global_array(jax, p, s), params, param_shardings)
+    params = jax.tree_util.tree_map(global_array, params, param_shardings)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
 
     def step(params, opt_state, x, y):
@@ -157,18 +155,15 @@ def worker(args):
         in_shardings=(param_shardings, opt_shardings, by_batch, by_batch),
         out_shardings=(param_shardings, opt_shardings, replicated),
     )
-    test_x = global_array(jax, x_test, replicated)
-    test_y = global_array(jax, y_test, replicated)
+    test_x = global_array(x_test, replicated)
+    test_y = global_array(y_test, replicated)
 
-    def log(line):
-        if me == 0:
-            print(line, flush=True)
-
-    log(f"{n_processes} processes x {n_devices // n_processes} devices, "
-        f"{'FSDP' if args.fsdp else 'data-parallel'}, batch {batch_size} = {n_processes} x {rows} rows")
-    rng = np.random.default_rng(args.seed)
+    log(f"{n_processes} process{'es' if n_processes > 1 else ''} x {n_devices // n_processes} devices, "
+        f"{'FSDP' if fsdp else 'data-parallel'}, batch {batch_size} = {n_processes} x {rows} rows, "
+        f"first weight {params[0][0].sharding.spec}")
+    rng = np.random.default_rng(seed)
     step_times = []
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(1, epochs + 1):
         start = time.perf_counter()
         losses = []
         for xb, yb in batches(x_train, y_train, batch_size, rng):
@@ -178,40 +173,49 @@ def worker(args):
             t = time.perf_counter()
             params, opt_state, loss = step(params, opt_state, x, y)
             losses.append(loss)
-            if epoch > 1:  # the first epoch compiles
+            if epoch > 1:
                 jax.block_until_ready(loss)
                 step_times.append(time.perf_counter() - t)
         epoch_loss = float(np.mean([float(v) for v in losses]))
         test_acc = float(accuracy(params, test_x, test_y))
         log(f"epoch {epoch:3d}  loss {epoch_loss:.6f}  test accuracy {test_acc:6.2%}  "
             f"time {(time.perf_counter() - start) * 1e3:5.0f} ms")
+    step_time = float(np.median(step_times)) if step_times else float("nan")
     if step_times:
-        log(f"step time {np.median(step_times) * 1e3:.2f} ms (median, epochs 2-{args.epochs})")
+        log(f"step time {step_time * 1e3:.2f} ms (median, epochs 2-{epochs})")
+    return epoch_loss, step_time
 
+
+def worker(args):
+    initialize(args)
+    me = jax.process_index()
+
+    def log(line):
+        if me == 0:
+            print(line, flush=True)
+
+    loss, _ = fit(make_mesh(), args.epochs, args.fsdp, args.rows_per_device, args.seed, log)
     if me == 0 and args.check:
         # The same batches on one local device: a plain single-device program.
-        single = one_device_loss(args, batch_size, make_train_step, optimizer)
-        diff = abs(epoch_loss - single) / abs(single)
-        log(f"final loss: {n_processes} processes {epoch_loss:.6f}, one device {single:.6f}, "
+        single = one_device_loss(args.epochs, jax.device_count() * args.rows_per_device, args.seed)
+        diff = abs(loss - single) / abs(single)
+        log(f"final loss: {jax.process_count()} processes {loss:.6f}, one device {single:.6f}, "
             f"relative difference {diff:.1e}")
         if diff > RTOL:
             raise SystemExit(f"the distributed and one-device losses differ by more than {RTOL}")
     jax.distributed.shutdown()
 
 
-def one_device_loss(args, batch_size, make_train_step, optimizer):
+def one_device_loss(epochs, batch_size, seed=0):
     """The last epoch's mean loss of the same training on this process's first device."""
-    import jax
-    import numpy as np
-    from train_mlp import batches, init_params, load_data
-
     device = jax.local_devices()[0]
-    x_train, _, y_train, _ = load_data(args.seed)
-    params = jax.device_put(init_params(jax.random.key(args.seed)), device)
+    x_train, _, y_train, _ = load_data(seed)
+    optimizer = optax.adam(1e-3)
+    params = jax.device_put(init_params(jax.random.key(seed)), device)
     opt_state = jax.device_put(optimizer.init(params), device)
     train_step = make_train_step(optimizer)
-    rng = np.random.default_rng(args.seed)
-    for _ in range(args.epochs):
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
         losses = []
         for xb, yb in batches(x_train, y_train, batch_size, rng):
             params, opt_state, loss = train_step(params, opt_state, *jax.device_put((xb, yb), device))
