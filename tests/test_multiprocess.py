@@ -114,7 +114,8 @@ def test_detect_anomaly_raises_the_same_error_in_every_process(processes):
     messages = [p["figures"]["anomaly"] for p in processes]
     assert messages[0] == messages[1], messages
     # Row 5 is process 1's: the index is the global one.
-    assert messages[0].startswith("Log.forward returned nan in output 0: 1 nan of 16 elements (the first at index (5, 1))")
+    expected = "Log.forward returned nan in output 0: 1 nan of 16 elements (the first at index (5, 1))"
+    assert messages[0].startswith(expected), messages[0]
 
 
 def test_exported_sharded_step_is_process_count_independent(processes):
