@@ -194,16 +194,19 @@ def worker(args):
         if me == 0:
             print(line, flush=True)
 
-    loss, _ = fit(make_mesh(), args.epochs, args.fsdp, args.rows_per_device, args.seed, log)
-    if me == 0 and args.check:
-        # The same batches on one local device: a plain single-device program.
-        single = one_device_loss(args.epochs, jax.device_count() * args.rows_per_device, args.seed)
-        diff = abs(loss - single) / abs(single)
-        log(f"final loss: {jax.process_count()} processes {loss:.6f}, one device {single:.6f}, "
-            f"relative difference {diff:.1e}")
-        if diff > RTOL:
-            raise SystemExit(f"the distributed and one-device losses differ by more than {RTOL}")
-    jax.distributed.shutdown()
+    try:
+        loss, _ = fit(make_mesh(), args.epochs, args.fsdp, args.rows_per_device, args.seed, log)
+        if me == 0 and args.check:
+            # The same batches on one local device: a plain single-device program.
+            single = one_device_loss(args.epochs, jax.device_count() * args.rows_per_device, args.seed)
+            diff = abs(loss - single) / abs(single)
+            log(f"final loss: {jax.process_count()} processes {loss:.6f}, one device {single:.6f}, "
+                f"relative difference {diff:.1e}")
+            if diff > RTOL:
+                raise SystemExit(f"the distributed and one-device losses differ by more than {RTOL}")
+    finally:
+        # Every process leaves the runtime together (without it JAX may abort at exit).
+        jax.distributed.shutdown()
 
 
 def one_device_loss(epochs, batch_size, seed=0):
