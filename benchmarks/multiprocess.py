@@ -3,10 +3,12 @@
     python benchmarks/multiprocess.py            # about 3 min on 2 idle CPU cores
     python benchmarks/multiprocess.py --quick    # about 1 min, rougher figures
 
-Each topology is P processes x D CPU devices (1x1, then 4 devices in all:
-1x4, 2x2, 4x1), started on 127.0.0.1 as ``examples/train_multiprocess.py``
-starts them (gloo collectives between processes). In each run, process 0
-reports:
+Each topology is P processes x D CPU devices: 1x1 and 1x4 as plain
+single-process JAX (XLA's in-process collectives), then 1x4, 2x2 and 4x1
+through ``jax.distributed`` on 127.0.0.1 as ``examples/train_multiprocess.py``
+starts them (gloo collectives over TCP, for every cross-device collective
+once ``jax.distributed`` is initialized, even within one process). In each
+run, process 0 reports:
 
 * all-reduce: the median time of a jitted sum over the device axis of an
   ``f32[devices, k]`` array sharded by rows (every device ends with the
@@ -33,7 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-TOPOLOGIES = [(1, 1), (1, 4), (2, 2), (4, 1)]
+# (processes, devices per process, through jax.distributed with gloo)
+TOPOLOGIES = [(1, 1, False), (1, 4, False), (1, 4, True), (2, 2, True), (4, 1, True)]
 SIZES = [1, 1024, 262144]
 ROWS_PER_DEVICE = 16
 
@@ -44,7 +47,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_topology(processes, devices, args, timeout=600):
+def run_topology(processes, devices, distributed, args, timeout=600):
     """Starts the workers; returns process 0's figures."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     coordinator = f"127.0.0.1:{free_port()}"
@@ -54,7 +57,7 @@ def run_topology(processes, devices, args, timeout=600):
             subprocess.Popen(
                 [sys.executable, __file__, "--worker", "--out", str(result), "--epochs", str(args.epochs),
                  "--calls", str(args.calls), "--process-id", str(i), "--num-processes", str(processes),
-                 "--coordinator", coordinator],
+                 "--coordinator", coordinator] + ([] if distributed else ["--no-distributed"]),
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             for i in range(processes)
@@ -76,8 +79,9 @@ def run_topology(processes, devices, args, timeout=600):
 def worker(args):
     from train_multiprocess import initialize
 
-    args.bind = None
-    initialize(args)
+    if args.distributed:
+        args.bind = None
+        initialize(args)
 
     import jax
     import numpy as np
@@ -105,7 +109,8 @@ def worker(args):
     if me == 0:
         figures["one_device_loss"] = one_device_loss(args.epochs, n_devices * ROWS_PER_DEVICE)
         Path(args.out).write_text(json.dumps(figures))
-    jax.distributed.shutdown()
+    if args.distributed:
+        jax.distributed.shutdown()
 
 
 def main():
@@ -118,6 +123,7 @@ def main():
     parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--num-processes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--coordinator", help=argparse.SUPPRESS)
+    parser.add_argument("--no-distributed", dest="distributed", action="store_false", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -125,19 +131,20 @@ def main():
     if args.quick:
         args.epochs, args.calls = 2, 30
 
-    header = (f"{'topology':>18} | {'all-reduce 4 B':>14} {'4 KiB':>9} {'1 MiB':>9} | "
+    header = (f"{'topology':>24} | {'all-reduce 4 B':>14} {'4 KiB':>9} {'1 MiB':>9} | "
               f"{'DP step':>8} {'DP loss diff':>12} | {'FSDP step':>9} {'FSDP loss diff':>14}")
     print(header)
     print("-" * len(header))
-    for processes, devices in TOPOLOGIES:
-        f = run_topology(processes, devices, args)
+    for processes, devices, distributed in TOPOLOGIES:
+        f = run_topology(processes, devices, distributed, args)
         single = f["one_device_loss"]
         reduce_us = [f["all_reduce_s"][str(k)] * 1e6 for k in SIZES]
         cells = []
         for name in ("data_parallel", "fsdp"):
             cells.append(f"{f[name]['step_s'] * 1e3:6.2f} ms")
             cells.append(f"{abs(f[name]['loss'] - single) / abs(single):.1e}")
-        print(f"{processes} proc x {devices} dev".rjust(18) + " | "
+        name = f"{processes} proc x {devices} dev" + (", gloo" if distributed else "")
+        print(name.rjust(24) + " | "
               + f"{reduce_us[0]:11.0f} µs {reduce_us[1]:6.0f} µs {reduce_us[2]:6.0f} µs | "
               + f"{cells[0]:>8} {cells[1]:>12} | {cells[2]:>9} {cells[3]:>14}", flush=True)
 
