@@ -97,7 +97,8 @@ class _Rule:
         self.in_kinds = program.input_kinds(arrays)
         self.in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
         self.linear = [d for d, p in enumerate(perturbed) if p]
-        self.gradient_shardings = [_sharding.gradient_shardings(self.in_kinds)[d] for d in self.linear]
+        shardings = _sharding.gradient_shardings(self.in_kinds)  # one per array input
+        self.gradient_shardings = [shardings[d] for d in self.linear]
         self.outputs = [j for j, diff in enumerate(self.differentiable) if diff]
 
         tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
