@@ -20,6 +20,10 @@ The key differences to ``torch.autograd.detect_anomaly`` are:
   and every other transformation. Under ``jax.jit`` JAX reports a failed
   callback as ``JaxRuntimeError`` (with vjpkit's message at the end of its
   text); leaving the ``with`` block turns it back into ``FloatingPointError``.
+- In a sharded program the counts are global (the index is into the whole
+  array) and the check runs on every device, so every process of a
+  multi-process run raises the same error (on JAX 0.4.38, whose debug
+  callbacks run on device 0 only, just process 0 raises).
 - The mode is thread-local and part of JAX's compile-cache key: a function
   that ``jax.jit`` compiled outside the block is traced again inside it (with
   the checks), and the program compiled outside is reused after it.
@@ -39,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _jax_internals
+from . import _jax_internals, _sharding
 from ._tree import Partition
 
 # Thread-local, and in JAX's jit and trace cache keys (see _jax_internals).
@@ -118,8 +122,8 @@ def check_finite(owner: str, method: str, labelled: Sequence[tuple[str, Any]]) -
     ``labelled`` holds ``(where, array_or_None)`` pairs; ``None``, integer
     and empty arrays are skipped. Each array is reduced on the device to its
     NaN count, Inf count and first bad index, and one ``jax.debug.callback``
-    per call compares them on the host (a callback has effects, so neither
-    jit nor DCE drops it).
+    per call compares them on the host of every device (a callback has
+    effects, so neither jit nor DCE drops it).
     """
     wheres, stats = [], []
     for where, x in labelled:
@@ -133,7 +137,8 @@ def check_finite(owner: str, method: str, labelled: Sequence[tuple[str, Any]]) -
             jnp.argmin(finite.ravel()).astype(jnp.int32),
         ))
     if stats:
-        jax.debug.callback(_Report(owner, method, tuple(wheres)), stats)
+        # On every device: in a multi-process run every process must raise.
+        jax.debug.callback(_Report(owner, method, tuple(wheres)), stats, **_sharding.debug_callback_everywhere())
 
 
 class _Report:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _anomaly, _jax_internals
+from . import _anomaly, _jax_internals, _sharding
 from ._ctx import _short_repr, closing, is_array, rule_ctx
 from ._outputs import Packed, is_differentiable_dtype
 from ._program import Program, Residuals
@@ -74,8 +74,12 @@ class _Rule:
 
         tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
 
+        shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
+        gradient_shardings = [shardings[d] for d in self.linear]
+
         def backward_rule(residuals: tuple, cotangents: tuple) -> list:
-            return self.apply_backward(residuals, cotangents)
+            # Under Explicit mesh axes the zeros for absent gradients are typed as their inputs too.
+            return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), gradient_shardings)
 
         backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
         if self.linear and self.outputs:
@@ -107,8 +111,11 @@ class _Rule:
             if t is None and meta.materialize and is_differentiable_dtype(self.in_avals[d][1]):
                 tangent_leaves[d] = jnp.zeros(*self.in_avals[d])
         ctx = rule_ctx(self.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
-        with closing(ctx):
-            result = self.spec.jvp(ctx, *program.layout.combine(tangent_leaves, keep_static=False))
+        try:
+            with closing(ctx):
+                result = self.spec.jvp(ctx, *program.layout.combine(tangent_leaves, keep_static=False))
+        except _sharding.sharding_type_errors() as e:
+            raise _sharding.forward_sharding_error(self.name, "jvp", e) from None
         tangents_out = self._check_jvp_outputs(result)
         if program.anomaly:
             labelled = [

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from . import _sharding
 from ._ctx import (
     FunctionCtx,
     _short_repr,
@@ -145,7 +146,8 @@ class _HostFunction:
         vmap_method = "expand_dims" if self.vmap is not None else self.vmap_method
 
         def forward_of_arrays(*arrays: Any) -> Any:
-            return jax.pure_callback(call.forward, out_struct, *arrays, vmap_method=vmap_method)
+            out = jax.pure_callback(call.forward, out_struct, *arrays, vmap_method=vmap_method)
+            return _sharding.vary_like(out, arrays)  # under shard_map: per-device values
 
         # Only a second derivative differentiates this directly (through the
         # forward rule's residuals); first order goes through the custom_vjp.
@@ -181,7 +183,8 @@ class _HostFunction:
         if result_struct:
 
             def backward_of_arrays(*xs: Any) -> list:
-                return jax.pure_callback(call.backward, result_struct, *xs, vmap_method=self.vmap_method)
+                grads = jax.pure_callback(call.backward, result_struct, *xs, vmap_method=self.vmap_method)
+                return _sharding.vary_like(grads, xs)  # under shard_map: per-device values
 
             computed = iter(call_without_derivative(
                 backward_of_arrays, (*call.arrays, *present), self._second_order_message()

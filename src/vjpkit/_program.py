@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.errors import TracerArrayConversionError
 
-from . import _anomaly, _host, _jax_internals
+from . import _anomaly, _host, _jax_internals, _sharding
 from ._args import Signature, split_residuals
 from ._ctx import FunctionCtx, call_forward, closing, forwarded, method_of, rule_ctx
 from ._once import call_without_derivative, is_once_differentiable
@@ -109,7 +109,7 @@ class Program:
 
     def input_kinds(self, arrays: Any) -> tuple:
         """Per leaf of the bound arguments: None (static) or the array's type."""
-        kinds = [(*_kind(x), _jax_internals.varying_axes(x)) for x in arrays]
+        kinds = [(*_kind(x), _jax_internals.varying_axes(x), _sharding.explicit_sharding(x)) for x in arrays]
         return tuple(self.layout.leaves(kinds, keep_static=False))
 
     # -- forward -----------------------------------------------------------
@@ -137,6 +137,8 @@ class Program:
         try:
             with closing(ctx):
                 out = call_forward(ctx, spec.signature, spec.forward, spec.setup_context, values)
+        except _sharding.sharding_type_errors() as e:
+            raise _sharding.forward_sharding_error(spec.name, method_of(ctx), e) from None
         except TracerArrayConversionError as e:
             raise TypeError(
                 f"{spec.name}.{method_of(ctx)} converted a traced JAX array to "
@@ -164,8 +166,16 @@ class Program:
 
         ``cotangents`` has one entry per array output, a ``SymbolicZero``
         where JAX passes none; backward receives zeros there, or None when
-        forward turned materialization off (PyTorch's rule).
+        forward turned materialization off (PyTorch's rule). Under Explicit
+        mesh axes backward runs with them Auto, each gradient typed as its input.
         """
+        return _sharding.call_with_auto_axes(
+            self._run_backward,
+            (residuals, out_layout, cotangents),
+            _sharding.gradient_shardings(residuals.meta.in_kinds),
+        )
+
+    def _run_backward(self, residuals: Residuals, out_layout: Partition, cotangents: Sequence[Any]) -> list:
         meta = residuals.meta
         grads = output_cotangents(out_layout, cotangents, meta.out_avals, meta.differentiable, meta.materialize)
         if not self.spec.once_differentiable:
