@@ -25,7 +25,7 @@ def assert_close(got, want, rtol=1e-5, atol=1e-6):
 
 def raises_in_callback(message):
     """Errors raised on the host arrive as JAX's runtime error, carrying vjpkit's message."""
-    return pytest.raises(Exception, match=re.escape(message))
+    return pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(message))
 
 
 X = jnp.array([0.5, -1.0, 2.0], dtype=jnp.float32)
@@ -400,6 +400,38 @@ def test_wrong_declared_output_dtype_raises():
     with raises_in_callback("Floor.forward returned output with shape (3,) and dtype float32, "
                             "but Floor.output_shapes gives shape (3,) and dtype int32"):
         Floor(X).block_until_ready()
+
+
+@pytest.mark.parametrize("result", [np.array([1, 0, 2]), np.array([True, False, True])], ids=["int", "bool"])
+def test_int_or_bool_output_where_float_is_declared_raises_naming_class_and_output(result):
+    @vjpkit.function(host=True)
+    class Count:
+        @staticmethod
+        def output_shapes(x):
+            return {"n": x}
+
+        @staticmethod
+        def forward(ctx, x):
+            return {"n": result}
+
+    kind = "integer" if result.dtype != bool else "bool"
+    with raises_in_callback(f"Count.forward returned output['n'] with shape (3,) and dtype {result.dtype}, "
+                            "but Count.output_shapes gives shape (3,) and dtype float32. vjpkit casts an "
+                            f"output only within its kind of dtype (float64 to float32), not across kinds "
+                            f"({kind} to floating)."):
+        Count(X)["n"].block_until_ready()
+
+
+def test_float64_output_where_float32_is_declared_is_cast():
+    @vjpkit.function(host=True)
+    class Half:
+        @staticmethod
+        def forward(ctx, x):
+            return np.asarray(x, np.float64) / 2
+
+    out = Half(X)
+    assert out.dtype == jnp.float32
+    assert_close(out, X / 2)
 
 
 def test_wrong_output_count_raises_naming_class():

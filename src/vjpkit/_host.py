@@ -341,7 +341,8 @@ class _HostCall:
         Returns the user's own leaves (mark_non_differentiable works by
         identity) and the NumPy outputs for pure_callback. A dtype of the
         same kind (float64 where float32 is declared) is cast; anything
-        else raises, naming the output.
+        else (an int or bool where a float is declared) raises, naming the
+        output: a cast across kinds would hide a wrong result.
         """
         got_leaves, got_treedef = jax.tree_util.tree_flatten(out)
         if got_treedef != self.out_treedef:
@@ -355,11 +356,12 @@ class _HostCall:
         for (name, shape, dtype), leaf in zip(self.outputs, got_leaves, strict=True):
             a = np.asarray(leaf)
             shape = batch + shape
-            if a.shape != shape or not np.can_cast(a.dtype, dtype, casting="same_kind"):
+            if a.shape != shape or _dtype_kind(a.dtype) != _dtype_kind(dtype):
                 raise ValueError(
                     f"{self.name}.forward returned {name} with shape {a.shape} and "
                     f"dtype {a.dtype}, but {self.source} gives shape {shape} and dtype "
-                    f"{dtype}. Fix forward, or define (or fix) the staticmethod "
+                    f"{dtype}. {_kind_hint(a.dtype, dtype) if a.shape == shape else ''}"
+                    f"Fix forward, or define (or fix) the staticmethod "
                     f"{self.name}.output_shapes(*inputs) returning a "
                     "jax.ShapeDtypeStruct per output."
                 )
@@ -438,6 +440,24 @@ class _HostCall:
                 plain.append(g)
             leaf += td.num_leaves
         return plain
+
+
+_KINDS = ((np.bool_, "bool"), (np.integer, "integer"), (np.floating, "floating"), (np.complexfloating, "complex"))
+
+
+def _dtype_kind(dtype: Any) -> str | None:
+    """What a host output may be cast within: bool, integer (signed or not), floating or complex."""
+    for generic, kind in _KINDS:
+        if jax.dtypes.issubdtype(dtype, generic):
+            return kind
+    return None
+
+
+def _kind_hint(got: Any, declared: Any) -> str:
+    return (
+        "vjpkit casts an output only within its kind of dtype (float64 to float32), not "
+        f"across kinds ({_dtype_kind(got) or got} to {_dtype_kind(declared) or declared}). "
+    )
 
 
 def _describe(out: Any) -> str:
