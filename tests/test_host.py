@@ -232,6 +232,38 @@ def test_needs_input_grad_in_forward_and_backward():
     assert seen == [("forward", (False, False))]
 
 
+def test_typed_prng_key_input_arrives_as_its_data_and_gets_no_gradient():
+    seen = []
+
+    @vjpkit.function(host=True)
+    class Jitter:
+        @staticmethod
+        def forward(ctx, x, key):
+            seen.append(("forward", type(key), key.dtype, key.copy()))
+            noise = np.random.default_rng(key).uniform(size=x.shape).astype(x.dtype)
+            ctx.save_for_backward(noise)
+            return x * noise
+
+        @staticmethod
+        def backward(ctx, g):
+            (noise,) = ctx.saved_tensors
+            seen.append(("backward", ctx.needs_input_grad))
+            return g * noise, None
+
+    key = jax.random.key(7)
+    data = np.asarray(jax.random.key_data(key))
+    noise = np.random.default_rng(data).uniform(size=X.shape).astype(np.float32)
+    assert_close(Jitter(X, key), X * noise)
+    gx, gkey = jax.jit(jax.grad(lambda x, k: Jitter(x, k).sum(), argnums=(0, 1), allow_int=True))(X, key)
+    assert_close(gx, noise)
+    assert gkey.dtype == jax.dtypes.float0 and gkey.shape == key.shape
+    forwards = [s for s in seen if s[0] == "forward"]
+    assert all(kind is np.ndarray and dtype == np.uint32 for _, kind, dtype, _ in forwards)
+    for _, _, _, got in forwards:
+        np.testing.assert_array_equal(got, data)
+    assert ("backward", (True, False)) in seen
+
+
 def test_integer_input_gets_no_gradient_and_is_passed_through():
     @vjpkit.function(host=True)
     class Gather:

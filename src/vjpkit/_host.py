@@ -96,8 +96,17 @@ def _is_shape_like(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def _is_key(x: Any) -> bool:
+    return is_array(x) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(x: Any) -> Any:
+    return jax.random.key_data(x) if _is_key(x) else x
+
+
 def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype))
+    dtype = x.dtype if _is_key(x) else jax.dtypes.canonicalize_dtype(x.dtype)  # a key's dtype is its own
+    return jax.ShapeDtypeStruct(tuple(x.shape), dtype)
 
 
 def _output_name(path: tuple) -> str:
@@ -141,6 +150,8 @@ class _HostFunction:
         # The core calls forward through Signature.call: keyword-only by name.
         values = (*args, *(kwargs[name] for name in self.signature.keyword_only))
         out_struct, source = self._output_struct(values)
+        # NumPy has no key type: typed PRNG keys cross as their data (uint32).
+        values = jax.tree_util.tree_map(_key_data, values)
         call = _HostCall(self, values, ctx.needs_input_grad, out_struct, source)
         vmap_method = "expand_dims" if self.vmap is not None else self.vmap_method
 
@@ -206,7 +217,7 @@ class _HostFunction:
             names = self.signature.names(len(values))
             for name, value in zip(names, values, strict=True):
                 for leaf in jax.tree_util.tree_leaves(value):
-                    if is_array(leaf):
+                    if is_array(leaf) and not _is_key(leaf):
                         source = (
                             f"the shape and dtype of input {name!r} (inferred: "
                             f"{self.name} defines no output_shapes)"
