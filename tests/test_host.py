@@ -629,6 +629,70 @@ def test_vmap_expand_dims_calls_numpy_once_with_the_batch():
     assert_close(per_example_w, jax.vmap(jax.grad(lambda w, x: jnp.sum((x * w) ** 2)), in_axes=(None, 0))(w, xs))
 
 
+@vjpkit.function(host=True, vmap_method="expand_dims")
+class RowScale:
+    """x (rows, n) times w (n,): w's gradient is broadcast over the rows, and summed down."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+def test_vmap_expand_dims_broadcast_gradient_of_an_unbatched_input_is_summed_per_example():
+    x = jnp.array([[0.5, -1.0, 2.0], [1.0, 2.0, 3.0]])
+    xs = jnp.stack([x, 2 * x, -x, x + 1])
+    w = jnp.array([1.0, 2.0, 3.0])
+
+    def per_example(row_scale):
+        return jax.vmap(jax.grad(lambda x, w: jnp.sum(row_scale(x, w) ** 2), argnums=(0, 1)), in_axes=(0, None))
+
+    want = per_example(lambda x, w: x * w)(xs, w)
+    gx, gw = per_example(RowScale)(xs, w)
+    assert gw.shape == (4, 3)
+    assert_close((gx, gw), want)
+    assert_close(jax.jit(per_example(RowScale))(xs, w), want)
+
+
+def test_vmap_expand_dims_wrong_per_example_gradient_shape_is_reported_per_example():
+    @vjpkit.function(host=True, vmap_method="expand_dims")
+    class Transposed:
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return np.swapaxes(g, -1, -2)
+
+    xs = jnp.ones((4, 2, 3))
+    with raises_in_callback("Transposed.backward returned a gradient of shape (3, 2) for input 0 ('x'): "
+                            "expected shape (2, 3)"):
+        jax.vmap(jax.grad(lambda x: Transposed(x).sum()))(xs).block_until_ready()
+
+
+def test_vmap_expand_dims_gradient_without_the_batch_axes_raises():
+    @vjpkit.function(host=True, vmap_method="expand_dims")
+    class FirstOnly:
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return np.concatenate([g, g])  # leading axis 2: neither the batch (4) nor 1
+
+    xs = jnp.ones((4, 3))
+    with raises_in_callback("FirstOnly.backward returned a gradient whose leading (batch) axes do not match "
+                            "the batch (4,) under jax.vmap with vmap_method='expand_dims'"):
+        jax.vmap(jax.grad(lambda x: FirstOnly(x).sum()))(xs).block_until_ready()
+
+
 def test_vmap_staticmethod_in_pytorch_style_batches_forward():
     calls = []
 

@@ -414,15 +414,46 @@ class _HostCall:
         kinds = [(batch + shape, dtype) for shape, dtype in self.kinds]
         plain = self._plain_gradients(result, kinds)
         if plain is None:
-            leaf_kinds = self.layout.leaves(kinds, keep_static=False)
-            plain = check_backward_outputs(
-                self.name, result, self.param_treedefs, self.names, leaf_kinds, self.needs
-            )
+            plain = self._fit_gradients(result, batch)
         return [
             np.zeros(shape, dtype) if g is None else np.asarray(g, dtype)
             for g, (shape, dtype), w in zip(plain, kinds, self.wanted, strict=True)
             if w
         ]
+
+    def _fit_gradients(self, result: Any, batch: tuple) -> list:
+        """backward's result fitted to the inputs by the core's check (its sum-down, its errors).
+
+        The core sums a broadcast gradient down to its input's shape by
+        aligning shapes from the right. Under vmap (expand_dims or
+        broadcast_all) each gradient has the batch axes in front, so they
+        are moved to the back for the check: the per-example part is then
+        summed down as without vmap, never across examples.
+        """
+        if not batch:
+            return self._check_backward_outputs(result, self.kinds)
+        k = len(batch)
+        at_back = [(shape + batch, dtype) for shape, dtype in self.kinds]
+        try:
+            fitted = self._check_backward_outputs(
+                jax.tree_util.tree_map(lambda g: _batch_to_back(g, batch), result), at_back
+            )
+        except (TypeError, ValueError) as e:
+            # Report what is wrong with one example, in the shapes the user declared.
+            first = jax.tree_util.tree_map(lambda g: g[(0,) * k] if _has_batch_axes(g, k) else g, result)
+            self._check_backward_outputs(first, self.kinds)
+            raise ValueError(
+                f"{self.name}.backward returned a gradient whose leading (batch) axes "
+                f"do not match the batch {batch} under jax.vmap with "
+                f"vmap_method={self.host.vmap_method!r}: backward receives its arrays with "
+                "the batch axes in front and must return each gradient with them in "
+                "front too (size 1 where it is the same for every example)."
+            ) from e
+        return [None if g is None else np.moveaxis(np.asarray(g), range(-k, 0), range(k)) for g in fitted]
+
+    def _check_backward_outputs(self, result: Any, kinds: list) -> list:
+        leaf_kinds = self.layout.leaves(kinds, keep_static=False)
+        return check_backward_outputs(self.name, result, self.param_treedefs, self.names, leaf_kinds, self.needs)
 
     def _plain_gradients(self, result: Any, kinds: list) -> list | None:
         """One gradient (or None) per array input, if backward's result needs no fitting."""
@@ -469,6 +500,22 @@ def _kind_hint(got: Any, declared: Any) -> str:
         "vjpkit casts an output only within its kind of dtype (float64 to float32), not "
         f"across kinds ({_dtype_kind(got) or got} to {_dtype_kind(declared) or declared}). "
     )
+
+
+def _has_batch_axes(g: Any, k: int) -> bool:
+    return is_array(g) and g.ndim >= k
+
+
+def _batch_to_back(g: Any, batch: tuple) -> Any:
+    """A batched gradient with its ``len(batch)`` leading axes broadcast to ``batch`` and moved last."""
+    k = len(batch)
+    if not _has_batch_axes(g, k):
+        return g  # not an array with batch axes: the check reports it
+    try:
+        g = np.broadcast_to(np.asarray(g), batch + tuple(g.shape[k:]))
+    except ValueError:
+        return g  # batch axes that do not fit: the check fails, and the error says why
+    return np.moveaxis(g, range(k), range(-k, 0))
 
 
 def _describe(out: Any) -> str:
