@@ -771,35 +771,73 @@ def test_solve_example_matches_jnp():
 needs_gradcheck = pytest.mark.skipif(not hasattr(vjpkit, "gradcheck"), reason="vjpkit.gradcheck not there yet")
 
 
-@pytest.fixture
-def global_x64():
-    """float64 for the whole process while the test runs.
-
-    Why not ``jax.enable_x64()`` (gradcheck's own context, thread-local):
-    XLA may run a callback on one of its own threads, which does not see
-    the context, and JAX then casts the callback's float64 results to
-    float32 and rejects them ("Incorrect output dtype").
-    """
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
-
 @needs_gradcheck
-def test_gradcheck_solve(global_x64):
+def test_gradcheck_solve():
     rng = np.random.default_rng(3)
-    A = jnp.asarray(rng.normal(size=(3, 3)) + 3 * np.eye(3))
-    b = jnp.asarray(rng.normal(size=3))
+    A = rng.normal(size=(3, 3)) + 3 * np.eye(3)  # float64, with x64 off process-wide
+    b = rng.normal(size=3)
     assert vjpkit.gradcheck(Solve.apply, (A, b))
 
 
 @needs_gradcheck
-def test_gradcheck_trimmed_mean(global_x64):
-    x = jnp.asarray(np.random.default_rng(4).normal(size=6))  # distinct values: differentiable there
+def test_gradcheck_trimmed_mean():
+    x = np.random.default_rng(4).normal(size=6)  # distinct values: differentiable there
     assert vjpkit.gradcheck(lambda x: TrimmedMean.apply(x, 1), (x,))
+
+
+def test_64_bit_arrays_cross_exactly_where_the_callback_thread_has_x64_off():
+    """Traced under jax.enable_x64() (thread-local), run where x64 is off.
+
+    That is where XLA may run the callback (a thread of its own); here the
+    compiled programs run after the context is left, so every run has x64
+    off in the thread of the callback.
+    """
+    seen = []
+
+    @vjpkit.function(host=True)
+    class Wide:
+        @staticmethod
+        def output_shapes(x, n, z):
+            return x, n, z
+
+        @staticmethod
+        def forward(ctx, x, n, z):
+            seen.append((x.dtype, n.dtype, z.dtype))
+            ctx.save_for_backward(x)
+            return np.sin(x), n + 2**40, 2 * z
+
+        @staticmethod
+        def backward(ctx, gx, gn, gz):
+            (x,) = ctx.saved_tensors
+            seen.append((gx.dtype, gz.dtype))
+            return gx * np.cos(x), None, 2 * gz
+
+    x = np.array([1 / 3, 2.0, -0.7])
+    n = np.array([1, -5, 2**50], np.int64)
+    z = np.array([1 / 3 + 1e-12j, -2.5j, 1.0])
+
+    def loss(wide):
+        def total(x, z):
+            y, _, w = wide(x, n, z)
+            return jnp.sum(y) + jnp.sum(jnp.real(w) * jnp.arange(3.0) + jnp.imag(w))
+
+        return jax.grad(total, argnums=(0, 1))
+
+    with jax.enable_x64(True):
+        x, n, z = jnp.asarray(x), jnp.asarray(n), jnp.asarray(z)
+        forward = jax.jit(Wide).lower(x, n, z).compile()
+        gradient = jax.jit(loss(Wide)).lower(x, z).compile()
+        want_gx, want_gz = loss(lambda x, n, z: (jnp.sin(x), n, 2 * z))(x, z)
+    y, m, w = forward(x, n, z)
+    gx, gz = gradient(x, z)
+    np.testing.assert_array_equal(y, np.sin(np.asarray(x)))
+    np.testing.assert_array_equal(m, np.asarray(n) + 2**40)
+    np.testing.assert_array_equal(w, 2 * np.asarray(z))
+    assert (y.dtype, m.dtype, w.dtype) == (np.float64, np.int64, np.complex128)
+    np.testing.assert_allclose(gx, want_gx, rtol=1e-15)
+    np.testing.assert_allclose(gz, want_gz, rtol=1e-15)
+    f64, i64, c128 = np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.complex128)
+    assert set(seen) == {(f64, i64, c128), (f64, c128)}
 
 
 def test_host_backward_ctx_holds_only_the_users_attributes():

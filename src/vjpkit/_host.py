@@ -41,10 +41,12 @@ The key differences to a JAX Function are:
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._ctx import (
@@ -156,7 +158,7 @@ class _HostFunction:
         vmap_method = "expand_dims" if self.vmap is not None else self.vmap_method
 
         def forward_of_arrays(*arrays: Any) -> Any:
-            return jax.pure_callback(call.forward, out_struct, *arrays, vmap_method=vmap_method)
+            return _pure_callback(call.forward, out_struct, *arrays, vmap_method=vmap_method)
 
         # Only a second derivative differentiates this directly (through the
         # forward rule's residuals); first order goes through the custom_vjp.
@@ -192,7 +194,7 @@ class _HostFunction:
         if result_struct:
 
             def backward_of_arrays(*xs: Any) -> list:
-                return jax.pure_callback(call.backward, result_struct, *xs, vmap_method=self.vmap_method)
+                return _pure_callback(call.backward, result_struct, *xs, vmap_method=self.vmap_method)
 
             computed = iter(call_without_derivative(
                 backward_of_arrays, (*call.arrays, *present), self._second_order_message()
@@ -250,6 +252,76 @@ class _HostFunction:
                 )
             leaves.append(_shape_dtype(leaf))
         return jax.tree_util.tree_unflatten(treedef, leaves), f"{self.name}.output_shapes"
+
+
+# Compat: jax.enable_x64 is jax.experimental.enable_x64 before JAX 0.6 (to move
+# into _jax_internals, where the compat branch adds the same helper).
+_enable_x64: Any = getattr(jax, "enable_x64", None)
+if _enable_x64 is None:
+    _enable_x64 = importlib.import_module("jax.experimental").enable_x64
+
+# Dtypes that JAX narrows (to 32 bits) in a thread where x64 is off.
+_WIDE = frozenset(np.dtype(t) for t in (np.float64, np.int64, np.uint64, np.complex128))
+
+
+def _pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: str) -> Any:
+    """``jax.pure_callback``, with the x64 setting of the trace wherever the callback runs.
+
+    Why: XLA may run the callback on a thread of its own, which does not
+    see a thread-local ``jax.enable_x64()`` (gradcheck's, or the user's).
+    There JAX would narrow float64 arguments to float32 on their way in,
+    and results on their way out (then reject them), so 64-bit arrays cross
+    as their uint32 words (the same with x64 on or off), rebuilt on the
+    other side; the callback runs under the trace's x64 setting, so
+    vjpkit's own jnp work there keeps its precision.
+    """
+    x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+    arg_dtypes = [np.dtype(a.dtype) for a in args]
+    treedef: Any
+    leaves, treedef = jax.tree_util.tree_flatten(result_struct)
+    out_dtypes = [np.dtype(s.dtype) for s in leaves]
+    wire = [
+        jax.ShapeDtypeStruct((*s.shape, d.itemsize // 4), np.uint32) if d in _WIDE else s
+        for s, d in zip(leaves, out_dtypes, strict=True)
+    ]
+
+    def run(*xs: Any) -> list:
+        xs = tuple(_np_from_words(x, d) if d in _WIDE else x for x, d in zip(xs, arg_dtypes, strict=True))
+        with _enable_x64(x64):
+            results = treedef.flatten_up_to(callback(*xs))
+        return [_np_to_words(r) if d in _WIDE else r for r, d in zip(results, out_dtypes, strict=True)]
+
+    sent = [_jax_to_words(a) if d in _WIDE else a for a, d in zip(args, arg_dtypes, strict=True)]
+    got = jax.pure_callback(run, wire, *sent, vmap_method=vmap_method)
+    rebuilt = [_jax_from_words(r, d) if d in _WIDE else r for r, d in zip(got, out_dtypes, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, rebuilt)
+
+
+# 64-bit arrays as uint32 words, in a new last axis (2 per element; 4 for
+# complex128, real part first as in memory): NumPy on the host, lax in the program.
+
+
+def _np_to_words(a: Any) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.reshape((*a.shape, 1)).view(np.uint32)
+
+
+def _np_from_words(words: Any, dtype: np.dtype) -> np.ndarray:
+    return np.ascontiguousarray(words).view(dtype)[..., 0]
+
+
+def _jax_to_words(x: Any) -> Any:
+    if jax.dtypes.issubdtype(x.dtype, np.complexfloating):
+        parts = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+        return jax.lax.bitcast_convert_type(parts, np.uint32).reshape((*x.shape, 4))
+    return jax.lax.bitcast_convert_type(x, np.uint32)
+
+
+def _jax_from_words(words: Any, dtype: np.dtype) -> Any:
+    if dtype.kind == "c":
+        parts = jax.lax.bitcast_convert_type(words.reshape((*words.shape[:-1], 2, 2)), np.float64)
+        return jax.lax.complex(parts[..., 0], parts[..., 1])
+    return jax.lax.bitcast_convert_type(words, dtype)
 
 
 _LEAF = jax.tree_util.tree_structure(0)
