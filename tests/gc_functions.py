@@ -1,6 +1,7 @@
 """Functions the gradcheck, testing and CLI tests check (importable as ``gc_functions``)."""
 
 import jax.numpy as jnp
+import numpy as np
 
 import vjpkit
 
@@ -56,6 +57,22 @@ class Exp(vjpkit.Function):
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
         return g * y
+
+
+class HostRowScale(vjpkit.Function):
+    """sin(x) * w in NumPy (host=True): x (rows, n), w (n,); w's gradient is broadcast and summed down."""
+
+    host = True
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return np.sin(x) * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * np.cos(x) * w, g * np.sin(x)
 
 
 def square(x):

@@ -34,6 +34,11 @@ def test_gradient_mismatch_exits_1_with_the_report(capsys):
     assert "gradcheck: FAILED\nJacobian mismatch for output 0 with respect to input 1:" in out
 
 
+def test_host_function_is_checked_without_global_x64(capsys):
+    status, out, _ = run(capsys, "check", "gc_functions:HostRowScale", "--inputs", "f64[3,4] f64[4]")
+    assert (status, "gradcheck: passed" in out) == (0, True), out
+
+
 def test_plain_function_is_checked(capsys):
     status, out, _ = run(capsys, "check", "gc_functions:square", "--inputs", "f64[3]")
     assert (status, "gradcheck: passed" in out) == (0, True)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import vjpkit
-from gc_functions import Exp, LinearFunction
+from gc_functions import Exp, HostRowScale, LinearFunction
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((2, 3))
@@ -115,6 +115,30 @@ def test_integer_and_non_differentiable_outputs_are_skipped():
 def test_complex_function_passes():
     z = np.array([1.0 + 2.0j, -0.5 + 0.3j])
     assert vjpkit.gradcheck(lambda z: z**2 * jnp.conj(z), (z,))
+
+
+def test_host_function_passes_without_global_x64():
+    # The NumPy code runs on a thread of XLA's, which gradcheck's float64 setting does not reach.
+    assert not jax.config.jax_enable_x64
+    assert vjpkit.gradcheck(HostRowScale.apply, (X, W[0, :3]))
+    assert not jax.config.jax_enable_x64
+
+
+def test_host_function_with_a_slightly_wrong_backward_is_caught_in_float64():
+    @vjpkit.function(host=True)
+    class Sin:
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return np.sin(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * np.cos(x) * (1 + 1e-5)  # lost in float32 rounding
+
+    (m,) = mismatches(Sin.apply, (V,), atol=1e-9, rtol=1e-7)
+    assert m.analytical_value == pytest.approx((1 + 1e-5) * m.numerical_value, rel=1e-9)
 
 
 # ---------------------------------------------------------------------------

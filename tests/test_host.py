@@ -25,7 +25,7 @@ def assert_close(got, want, rtol=1e-5, atol=1e-6):
 
 def raises_in_callback(message):
     """Errors raised on the host arrive as JAX's runtime error, carrying vjpkit's message."""
-    return pytest.raises(Exception, match=re.escape(message))
+    return pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(message))
 
 
 X = jnp.array([0.5, -1.0, 2.0], dtype=jnp.float32)
@@ -232,6 +232,38 @@ def test_needs_input_grad_in_forward_and_backward():
     assert seen == [("forward", (False, False))]
 
 
+def test_typed_prng_key_input_arrives_as_its_data_and_gets_no_gradient():
+    seen = []
+
+    @vjpkit.function(host=True)
+    class Jitter:
+        @staticmethod
+        def forward(ctx, x, key):
+            seen.append(("forward", type(key), key.dtype, key.copy()))
+            noise = np.random.default_rng(key).uniform(size=x.shape).astype(x.dtype)
+            ctx.save_for_backward(noise)
+            return x * noise
+
+        @staticmethod
+        def backward(ctx, g):
+            (noise,) = ctx.saved_tensors
+            seen.append(("backward", ctx.needs_input_grad))
+            return g * noise, None
+
+    key = jax.random.key(7)
+    data = np.asarray(jax.random.key_data(key))
+    noise = np.random.default_rng(data).uniform(size=X.shape).astype(np.float32)
+    assert_close(Jitter(X, key), X * noise)
+    gx, gkey = jax.jit(jax.grad(lambda x, k: Jitter(x, k).sum(), argnums=(0, 1), allow_int=True))(X, key)
+    assert_close(gx, noise)
+    assert gkey.dtype == jax.dtypes.float0 and gkey.shape == key.shape
+    forwards = [s for s in seen if s[0] == "forward"]
+    assert all(kind is np.ndarray and dtype == np.uint32 for _, kind, dtype, _ in forwards)
+    for _, _, _, got in forwards:
+        np.testing.assert_array_equal(got, data)
+    assert ("backward", (True, False)) in seen
+
+
 def test_integer_input_gets_no_gradient_and_is_passed_through():
     @vjpkit.function(host=True)
     class Gather:
@@ -402,6 +434,38 @@ def test_wrong_declared_output_dtype_raises():
         Floor(X).block_until_ready()
 
 
+@pytest.mark.parametrize("result", [np.array([1, 0, 2]), np.array([True, False, True])], ids=["int", "bool"])
+def test_int_or_bool_output_where_float_is_declared_raises_naming_class_and_output(result):
+    @vjpkit.function(host=True)
+    class Count:
+        @staticmethod
+        def output_shapes(x):
+            return {"n": x}
+
+        @staticmethod
+        def forward(ctx, x):
+            return {"n": result}
+
+    kind = "integer" if result.dtype != bool else "bool"
+    with raises_in_callback(f"Count.forward returned output['n'] with shape (3,) and dtype {result.dtype}, "
+                            "but Count.output_shapes gives shape (3,) and dtype float32. vjpkit casts an "
+                            f"output only within its kind of dtype (float64 to float32), not across kinds "
+                            f"({kind} to floating)."):
+        Count(X)["n"].block_until_ready()
+
+
+def test_float64_output_where_float32_is_declared_is_cast():
+    @vjpkit.function(host=True)
+    class Half:
+        @staticmethod
+        def forward(ctx, x):
+            return np.asarray(x, np.float64) / 2
+
+    out = Half(X)
+    assert out.dtype == jnp.float32
+    assert_close(out, X / 2)
+
+
 def test_wrong_output_count_raises_naming_class():
     @vjpkit.function(host=True)
     class Pair:
@@ -565,6 +629,70 @@ def test_vmap_expand_dims_calls_numpy_once_with_the_batch():
     assert_close(per_example_w, jax.vmap(jax.grad(lambda w, x: jnp.sum((x * w) ** 2)), in_axes=(None, 0))(w, xs))
 
 
+@vjpkit.function(host=True, vmap_method="expand_dims")
+class RowScale:
+    """x (rows, n) times w (n,): w's gradient is broadcast over the rows, and summed down."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+def test_vmap_expand_dims_broadcast_gradient_of_an_unbatched_input_is_summed_per_example():
+    x = jnp.array([[0.5, -1.0, 2.0], [1.0, 2.0, 3.0]])
+    xs = jnp.stack([x, 2 * x, -x, x + 1])
+    w = jnp.array([1.0, 2.0, 3.0])
+
+    def per_example(row_scale):
+        return jax.vmap(jax.grad(lambda x, w: jnp.sum(row_scale(x, w) ** 2), argnums=(0, 1)), in_axes=(0, None))
+
+    want = per_example(lambda x, w: x * w)(xs, w)
+    gx, gw = per_example(RowScale)(xs, w)
+    assert gw.shape == (4, 3)
+    assert_close((gx, gw), want)
+    assert_close(jax.jit(per_example(RowScale))(xs, w), want)
+
+
+def test_vmap_expand_dims_wrong_per_example_gradient_shape_is_reported_per_example():
+    @vjpkit.function(host=True, vmap_method="expand_dims")
+    class Transposed:
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return np.swapaxes(g, -1, -2)
+
+    xs = jnp.ones((4, 2, 3))
+    with raises_in_callback("Transposed.backward returned a gradient of shape (3, 2) for input 0 ('x'): "
+                            "expected shape (2, 3)"):
+        jax.vmap(jax.grad(lambda x: Transposed(x).sum()))(xs).block_until_ready()
+
+
+def test_vmap_expand_dims_gradient_without_the_batch_axes_raises():
+    @vjpkit.function(host=True, vmap_method="expand_dims")
+    class FirstOnly:
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return np.concatenate([g, g])  # leading axis 2: neither the batch (4) nor 1
+
+    xs = jnp.ones((4, 3))
+    with raises_in_callback("FirstOnly.backward returned a gradient whose leading (batch) axes do not match "
+                            "the batch (4,) under jax.vmap with vmap_method='expand_dims'"):
+        jax.vmap(jax.grad(lambda x: FirstOnly(x).sum()))(xs).block_until_ready()
+
+
 def test_vmap_staticmethod_in_pytorch_style_batches_forward():
     calls = []
 
@@ -643,35 +771,73 @@ def test_solve_example_matches_jnp():
 needs_gradcheck = pytest.mark.skipif(not hasattr(vjpkit, "gradcheck"), reason="vjpkit.gradcheck not there yet")
 
 
-@pytest.fixture
-def global_x64():
-    """float64 for the whole process while the test runs.
-
-    Why not ``jax.enable_x64()`` (gradcheck's own context, thread-local):
-    XLA may run a callback on one of its own threads, which does not see
-    the context, and JAX then casts the callback's float64 results to
-    float32 and rejects them ("Incorrect output dtype").
-    """
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
-
 @needs_gradcheck
-def test_gradcheck_solve(global_x64):
+def test_gradcheck_solve():
     rng = np.random.default_rng(3)
-    A = jnp.asarray(rng.normal(size=(3, 3)) + 3 * np.eye(3))
-    b = jnp.asarray(rng.normal(size=3))
+    A = rng.normal(size=(3, 3)) + 3 * np.eye(3)  # float64, with x64 off process-wide
+    b = rng.normal(size=3)
     assert vjpkit.gradcheck(Solve.apply, (A, b))
 
 
 @needs_gradcheck
-def test_gradcheck_trimmed_mean(global_x64):
-    x = jnp.asarray(np.random.default_rng(4).normal(size=6))  # distinct values: differentiable there
+def test_gradcheck_trimmed_mean():
+    x = np.random.default_rng(4).normal(size=6)  # distinct values: differentiable there
     assert vjpkit.gradcheck(lambda x: TrimmedMean.apply(x, 1), (x,))
+
+
+def test_64_bit_arrays_cross_exactly_where_the_callback_thread_has_x64_off():
+    """Traced under jax.enable_x64() (thread-local), run where x64 is off.
+
+    That is where XLA may run the callback (a thread of its own); here the
+    compiled programs run after the context is left, so every run has x64
+    off in the thread of the callback.
+    """
+    seen = []
+
+    @vjpkit.function(host=True)
+    class Wide:
+        @staticmethod
+        def output_shapes(x, n, z):
+            return x, n, z
+
+        @staticmethod
+        def forward(ctx, x, n, z):
+            seen.append((x.dtype, n.dtype, z.dtype))
+            ctx.save_for_backward(x)
+            return np.sin(x), n + 2**40, 2 * z
+
+        @staticmethod
+        def backward(ctx, gx, gn, gz):
+            (x,) = ctx.saved_tensors
+            seen.append((gx.dtype, gz.dtype))
+            return gx * np.cos(x), None, 2 * gz
+
+    x = np.array([1 / 3, 2.0, -0.7])
+    n = np.array([1, -5, 2**50], np.int64)
+    z = np.array([1 / 3 + 1e-12j, -2.5j, 1.0])
+
+    def loss(wide):
+        def total(x, z):
+            y, _, w = wide(x, n, z)
+            return jnp.sum(y) + jnp.sum(jnp.real(w) * jnp.arange(3.0) + jnp.imag(w))
+
+        return jax.grad(total, argnums=(0, 1))
+
+    with jax.enable_x64(True):
+        x, n, z = jnp.asarray(x), jnp.asarray(n), jnp.asarray(z)
+        forward = jax.jit(Wide).lower(x, n, z).compile()
+        gradient = jax.jit(loss(Wide)).lower(x, z).compile()
+        want_gx, want_gz = loss(lambda x, n, z: (jnp.sin(x), n, 2 * z))(x, z)
+    y, m, w = forward(x, n, z)
+    gx, gz = gradient(x, z)
+    np.testing.assert_array_equal(y, np.sin(np.asarray(x)))
+    np.testing.assert_array_equal(m, np.asarray(n) + 2**40)
+    np.testing.assert_array_equal(w, 2 * np.asarray(z))
+    assert (y.dtype, m.dtype, w.dtype) == (np.float64, np.int64, np.complex128)
+    np.testing.assert_allclose(gx, want_gx, rtol=1e-15)
+    np.testing.assert_allclose(gz, want_gz, rtol=1e-15)
+    f64, i64, c128 = np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.complex128)
+    assert set(seen) == {(f64, i64, c128), (f64, c128)}
 
 
 def test_host_backward_ctx_holds_only_the_users_attributes():

@@ -41,10 +41,12 @@ The key differences to a JAX Function are:
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _sharding
@@ -97,8 +99,17 @@ def _is_shape_like(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def _is_key(x: Any) -> bool:
+    return is_array(x) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(x: Any) -> Any:
+    return jax.random.key_data(x) if _is_key(x) else x
+
+
 def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype))
+    dtype = x.dtype if _is_key(x) else jax.dtypes.canonicalize_dtype(x.dtype)  # a key's dtype is its own
+    return jax.ShapeDtypeStruct(tuple(x.shape), dtype)
 
 
 def _output_name(path: tuple) -> str:
@@ -142,11 +153,13 @@ class _HostFunction:
         # The core calls forward through Signature.call: keyword-only by name.
         values = (*args, *(kwargs[name] for name in self.signature.keyword_only))
         out_struct, source = self._output_struct(values)
+        # NumPy has no key type: typed PRNG keys cross as their data (uint32).
+        values = jax.tree_util.tree_map(_key_data, values)
         call = _HostCall(self, values, ctx.needs_input_grad, out_struct, source)
         vmap_method = "expand_dims" if self.vmap is not None else self.vmap_method
 
         def forward_of_arrays(*arrays: Any) -> Any:
-            out = jax.pure_callback(call.forward, out_struct, *arrays, vmap_method=vmap_method)
+            out = _pure_callback(call.forward, out_struct, *arrays, vmap_method=vmap_method)
             return _sharding.vary_like(out, arrays)  # under shard_map: per-device values
 
         # Only a second derivative differentiates this directly (through the
@@ -183,7 +196,7 @@ class _HostFunction:
         if result_struct:
 
             def backward_of_arrays(*xs: Any) -> list:
-                grads = jax.pure_callback(call.backward, result_struct, *xs, vmap_method=self.vmap_method)
+                grads = _pure_callback(call.backward, result_struct, *xs, vmap_method=self.vmap_method)
                 return _sharding.vary_like(grads, xs)  # under shard_map: per-device values
 
             computed = iter(call_without_derivative(
@@ -209,7 +222,7 @@ class _HostFunction:
             names = self.signature.names(len(values))
             for name, value in zip(names, values, strict=True):
                 for leaf in jax.tree_util.tree_leaves(value):
-                    if is_array(leaf):
+                    if is_array(leaf) and not _is_key(leaf):
                         source = (
                             f"the shape and dtype of input {name!r} (inferred: "
                             f"{self.name} defines no output_shapes)"
@@ -242,6 +255,76 @@ class _HostFunction:
                 )
             leaves.append(_shape_dtype(leaf))
         return jax.tree_util.tree_unflatten(treedef, leaves), f"{self.name}.output_shapes"
+
+
+# Compat: jax.enable_x64 is jax.experimental.enable_x64 before JAX 0.6 (to move
+# into _jax_internals, where the compat branch adds the same helper).
+_enable_x64: Any = getattr(jax, "enable_x64", None)
+if _enable_x64 is None:
+    _enable_x64 = importlib.import_module("jax.experimental").enable_x64
+
+# Dtypes that JAX narrows (to 32 bits) in a thread where x64 is off.
+_WIDE = frozenset(np.dtype(t) for t in (np.float64, np.int64, np.uint64, np.complex128))
+
+
+def _pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: str) -> Any:
+    """``jax.pure_callback``, with the x64 setting of the trace wherever the callback runs.
+
+    Why: XLA may run the callback on a thread of its own, which does not
+    see a thread-local ``jax.enable_x64()`` (gradcheck's, or the user's).
+    There JAX would narrow float64 arguments to float32 on their way in,
+    and results on their way out (then reject them), so 64-bit arrays cross
+    as their uint32 words (the same with x64 on or off), rebuilt on the
+    other side; the callback runs under the trace's x64 setting, so
+    vjpkit's own jnp work there keeps its precision.
+    """
+    x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+    arg_dtypes = [np.dtype(a.dtype) for a in args]
+    treedef: Any
+    leaves, treedef = jax.tree_util.tree_flatten(result_struct)
+    out_dtypes = [np.dtype(s.dtype) for s in leaves]
+    wire = [
+        jax.ShapeDtypeStruct((*s.shape, d.itemsize // 4), np.uint32) if d in _WIDE else s
+        for s, d in zip(leaves, out_dtypes, strict=True)
+    ]
+
+    def run(*xs: Any) -> list:
+        xs = tuple(_np_from_words(x, d) if d in _WIDE else x for x, d in zip(xs, arg_dtypes, strict=True))
+        with _enable_x64(x64):
+            results = treedef.flatten_up_to(callback(*xs))
+        return [_np_to_words(r) if d in _WIDE else r for r, d in zip(results, out_dtypes, strict=True)]
+
+    sent = [_jax_to_words(a) if d in _WIDE else a for a, d in zip(args, arg_dtypes, strict=True)]
+    got = jax.pure_callback(run, wire, *sent, vmap_method=vmap_method)
+    rebuilt = [_jax_from_words(r, d) if d in _WIDE else r for r, d in zip(got, out_dtypes, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, rebuilt)
+
+
+# 64-bit arrays as uint32 words, in a new last axis (2 per element; 4 for
+# complex128, real part first as in memory): NumPy on the host, lax in the program.
+
+
+def _np_to_words(a: Any) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.reshape((*a.shape, 1)).view(np.uint32)
+
+
+def _np_from_words(words: Any, dtype: np.dtype) -> np.ndarray:
+    return np.ascontiguousarray(words).view(dtype)[..., 0]
+
+
+def _jax_to_words(x: Any) -> Any:
+    if jax.dtypes.issubdtype(x.dtype, np.complexfloating):
+        parts = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+        return jax.lax.bitcast_convert_type(parts, np.uint32).reshape((*x.shape, 4))
+    return jax.lax.bitcast_convert_type(x, np.uint32)
+
+
+def _jax_from_words(words: Any, dtype: np.dtype) -> Any:
+    if dtype.kind == "c":
+        parts = jax.lax.bitcast_convert_type(words.reshape((*words.shape[:-1], 2, 2)), np.float64)
+        return jax.lax.complex(parts[..., 0], parts[..., 1])
+    return jax.lax.bitcast_convert_type(words, dtype)
 
 
 _LEAF = jax.tree_util.tree_structure(0)
@@ -344,7 +427,8 @@ class _HostCall:
         Returns the user's own leaves (mark_non_differentiable works by
         identity) and the NumPy outputs for pure_callback. A dtype of the
         same kind (float64 where float32 is declared) is cast; anything
-        else raises, naming the output.
+        else (an int or bool where a float is declared) raises, naming the
+        output: a cast across kinds would hide a wrong result.
         """
         got_leaves, got_treedef = jax.tree_util.tree_flatten(out)
         if got_treedef != self.out_treedef:
@@ -358,11 +442,12 @@ class _HostCall:
         for (name, shape, dtype), leaf in zip(self.outputs, got_leaves, strict=True):
             a = np.asarray(leaf)
             shape = batch + shape
-            if a.shape != shape or not np.can_cast(a.dtype, dtype, casting="same_kind"):
+            if a.shape != shape or _dtype_kind(a.dtype) != _dtype_kind(dtype):
                 raise ValueError(
                     f"{self.name}.forward returned {name} with shape {a.shape} and "
                     f"dtype {a.dtype}, but {self.source} gives shape {shape} and dtype "
-                    f"{dtype}. Fix forward, or define (or fix) the staticmethod "
+                    f"{dtype}. {_kind_hint(a.dtype, dtype) if a.shape == shape else ''}"
+                    f"Fix forward, or define (or fix) the staticmethod "
                     f"{self.name}.output_shapes(*inputs) returning a "
                     "jax.ShapeDtypeStruct per output."
                 )
@@ -404,15 +489,46 @@ class _HostCall:
         kinds = [(batch + shape, dtype) for shape, dtype in self.kinds]
         plain = self._plain_gradients(result, kinds)
         if plain is None:
-            leaf_kinds = self.layout.leaves(kinds, keep_static=False)
-            plain = check_backward_outputs(
-                self.name, result, self.param_treedefs, self.names, leaf_kinds, self.needs
-            )
+            plain = self._fit_gradients(result, batch)
         return [
             np.zeros(shape, dtype) if g is None else np.asarray(g, dtype)
             for g, (shape, dtype), w in zip(plain, kinds, self.wanted, strict=True)
             if w
         ]
+
+    def _fit_gradients(self, result: Any, batch: tuple) -> list:
+        """backward's result fitted to the inputs by the core's check (its sum-down, its errors).
+
+        The core sums a broadcast gradient down to its input's shape by
+        aligning shapes from the right. Under vmap (expand_dims or
+        broadcast_all) each gradient has the batch axes in front, so they
+        are moved to the back for the check: the per-example part is then
+        summed down as without vmap, never across examples.
+        """
+        if not batch:
+            return self._check_backward_outputs(result, self.kinds)
+        k = len(batch)
+        at_back = [(shape + batch, dtype) for shape, dtype in self.kinds]
+        try:
+            fitted = self._check_backward_outputs(
+                jax.tree_util.tree_map(lambda g: _batch_to_back(g, batch), result), at_back
+            )
+        except (TypeError, ValueError) as e:
+            # Report what is wrong with one example, in the shapes the user declared.
+            first = jax.tree_util.tree_map(lambda g: g[(0,) * k] if _has_batch_axes(g, k) else g, result)
+            self._check_backward_outputs(first, self.kinds)
+            raise ValueError(
+                f"{self.name}.backward returned a gradient whose leading (batch) axes "
+                f"do not match the batch {batch} under jax.vmap with "
+                f"vmap_method={self.host.vmap_method!r}: backward receives its arrays with "
+                "the batch axes in front and must return each gradient with them in "
+                "front too (size 1 where it is the same for every example)."
+            ) from e
+        return [None if g is None else np.moveaxis(np.asarray(g), range(-k, 0), range(k)) for g in fitted]
+
+    def _check_backward_outputs(self, result: Any, kinds: list) -> list:
+        leaf_kinds = self.layout.leaves(kinds, keep_static=False)
+        return check_backward_outputs(self.name, result, self.param_treedefs, self.names, leaf_kinds, self.needs)
 
     def _plain_gradients(self, result: Any, kinds: list) -> list | None:
         """One gradient (or None) per array input, if backward's result needs no fitting."""
@@ -441,6 +557,40 @@ class _HostCall:
                 plain.append(g)
             leaf += td.num_leaves
         return plain
+
+
+_KINDS = ((np.bool_, "bool"), (np.integer, "integer"), (np.floating, "floating"), (np.complexfloating, "complex"))
+
+
+def _dtype_kind(dtype: Any) -> str | None:
+    """What a host output may be cast within: bool, integer (signed or not), floating or complex."""
+    for generic, kind in _KINDS:
+        if jax.dtypes.issubdtype(dtype, generic):
+            return kind
+    return None
+
+
+def _kind_hint(got: Any, declared: Any) -> str:
+    return (
+        "vjpkit casts an output only within its kind of dtype (float64 to float32), not "
+        f"across kinds ({_dtype_kind(got) or got} to {_dtype_kind(declared) or declared}). "
+    )
+
+
+def _has_batch_axes(g: Any, k: int) -> bool:
+    return is_array(g) and g.ndim >= k
+
+
+def _batch_to_back(g: Any, batch: tuple) -> Any:
+    """A batched gradient with its ``len(batch)`` leading axes broadcast to ``batch`` and moved last."""
+    k = len(batch)
+    if not _has_batch_axes(g, k):
+        return g  # not an array with batch axes: the check reports it
+    try:
+        g = np.broadcast_to(np.asarray(g), batch + tuple(g.shape[k:]))
+    except ValueError:
+        return g  # batch axes that do not fit: the check fails, and the error says why
+    return np.moveaxis(g, range(k), range(-k, 0))
 
 
 def _describe(out: Any) -> str:
