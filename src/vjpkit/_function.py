@@ -138,12 +138,12 @@ def _named(fn: Callable, name: str) -> Callable:
 # The per-class cache and ``apply``.
 #
 # ``apply`` dispatches on the *call shape*, as ``jax.jit``'s own fast path
-# does: the pytree structure of ``(args, kwargs)`` (argument count, keyword
-# names, ``None``s and containers), the type of each leaf, and the static
-# leaves by ``static_key``. A call shape fixes how the arguments bind to
-# forward's parameters, hence the program; a call of a known shape only
-# flattens its arguments, looks the shape up and runs the program's jit on
-# its array leaves. Binding and splitting run once per new call shape.
+# does: the type of each argument and the keyword names; for arguments that
+# are pytrees (tuples, dicts, None, ...), their structure and the type of each
+# leaf; and the static leaves by ``static_key``. A call shape fixes how the
+# arguments bind to forward's parameters, hence the program: a call of a
+# known shape only reads that key and runs the program's jit on its array
+# leaves. Binding and splitting run once per new call shape.
 
 # Call shapes remembered per program (keyword or positional, NumPy or JAX
 # arrays, ...); beyond it the oldest is forgotten and binds again when next seen.
@@ -159,20 +159,25 @@ class _Entry:
         self.key = key  # the program's key in _Cache.programs
         self.program = program
         self.jitted = jitted
-        self.routes: list[tuple[dict, Any, tuple]] = []  # (table, call shape, static keys) routed here
+        self.routes: list[tuple] = []  # where each call shape routed here is remembered (see _Cache.route)
 
 
 class _CallShape:
-    """A call's structure and leaf types: where its static leaves are, and per their keys, the route."""
+    """What a call's argument types (or, for pytree arguments, their structure and leaf types) tell.
 
-    __slots__ = ("static_at", "routes")
+    ``nested``: some argument is a pytree, so the shape depends on its
+    structure: ``routes`` maps structure and leaf types to the inner shape.
+    Otherwise the arguments are the leaves, and ``routes`` maps the keys of
+    the static ones (at ``static_at``) to ``(entry, pick)``, ``pick`` taking
+    the program's arrays out of the leaves (None: all the leaves, in order).
+    """
 
-    def __init__(self, static_at: tuple[int, ...]):
-        self.static_at = static_at  # positions of the static leaves among the call's leaves
-        self.routes: dict[tuple, tuple[_Entry, Callable]] = {}  # static keys -> (entry, pick)
+    __slots__ = ("nested", "static_at", "routes")
 
-    def statics(self, leaves: list) -> tuple:
-        return tuple(map(static_key, map(leaves.__getitem__, self.static_at)))
+    def __init__(self, nested: bool, static_at: tuple[int, ...] = ()):
+        self.nested = nested
+        self.static_at = static_at
+        self.routes: dict = {}
 
 
 class _Argument:
@@ -184,21 +189,26 @@ class _Argument:
         self.at = at
 
 
-def _picker(picked: list[int], constants: list, n_leaves: int) -> Callable[[list], Any]:
+def _picker(picked: list[int], constants: list, n_leaves: int) -> Callable[[Any], Any] | None:
     """The call's leaves -> the program's arrays (``picked`` indexes the leaves, then ``constants``)."""
     if constants:
-        take = _picker(picked, [], n_leaves + len(constants))
-        return lambda leaves: take(leaves + constants)
+        take = _picker(picked, [], n_leaves + len(constants)) or list
+        return lambda leaves: take([*leaves, *constants])
     if picked == list(range(n_leaves)):
-        return _all_leaves
+        return None
     if len(picked) == 1:
         (i,) = picked
         return lambda leaves: (leaves[i],)
     return operator.itemgetter(*picked) if picked else lambda leaves: ()
 
 
-def _all_leaves(leaves: list) -> list:
-    return leaves
+def _call_leaves(args: tuple, kwargs: dict) -> tuple:
+    """The arguments in call-shape order: positional, then keywords as given."""
+    return (*args, *kwargs.values()) if kwargs else args
+
+
+def _is_pytree(x: Any) -> bool:
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x)) or x is None
 
 
 class _Cache:
@@ -207,7 +217,7 @@ class _Cache:
     def __init__(self, spec: Spec):
         self.spec = spec
         self.programs: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
-        # Call shape -> _CallShape; the second table is for calls under detect_anomaly.
+        # Argument types and keyword names -> _CallShape; the second table is for calls under detect_anomaly.
         self.shapes: tuple[dict, dict] = ({}, {})
         self.lock = threading.Lock()
         self.hits = 0
@@ -221,14 +231,22 @@ class _Cache:
             for table in self.shapes:
                 table.clear()
 
-    def route(self, args: tuple, kwargs: dict, leaves: list, treedef: Any, anomaly: bool) -> tuple[_Entry, Callable]:
-        """For a call of a new shape: binds it, finds (or makes) its program, and remembers the route."""
+    def route(self, args: tuple, kwargs: dict, anomaly: bool) -> tuple[_Entry, Callable | None, Any]:
+        """For a call of a new shape: binds it, finds (or makes) its program, and remembers the route.
+
+        Returns the entry, the pick and the call's leaves.
+        """
         spec = self.spec
         values = spec.signature.bind(args, kwargs)
         layout, _ = partition(values, is_array)
         key = ("detect_anomaly", layout.key) if anomaly else layout.key
+        leaves = _call_leaves(args, kwargs)
+        path = [(self.shapes[anomaly], (*map(type, args), *kwargs))]  # (table, key) down to the route
+        nested = any(map(_is_pytree, leaves))
+        if nested:
+            leaves, treedef = jax.tree_util.tree_flatten(leaves)
+            path.append((None, (treedef, *map(type, leaves))))
         pick = self._pick(args, kwargs, layout, len(leaves))
-        shape_key = (treedef, *map(type, leaves))
         with self.lock:
             entry = self.programs.get(key)
             if entry is None:
@@ -240,23 +258,30 @@ class _Cache:
             else:
                 self.hits += 1
                 self.programs.move_to_end(key)
-            table = self.shapes[anomaly]
+            table, (_, shape_key) = path[0][0], path[0]
             shape = table.get(shape_key)
             if shape is None:
-                shape = table[shape_key] = _CallShape(tuple(i for i, x in enumerate(leaves) if not is_array(x)))
-            statics = shape.statics(leaves)
+                shape = table[shape_key] = _CallShape(nested)
+            if nested:
+                table, shape_key = shape.routes, path[1][1]
+                shape = table.get(shape_key)
+                if shape is None:
+                    shape = table[shape_key] = _CallShape(False)
+                path[1] = (table, shape_key)
+            if not shape.routes:
+                shape.static_at = tuple(i for i, x in enumerate(leaves) if not is_array(x))
+            statics = tuple(static_key(leaves[i]) for i in shape.static_at)
             shape.routes[statics] = (entry, pick)
-            entry.routes.append((table, shape_key, statics))
+            entry.routes.append((*path, (shape.routes, statics)))
             if len(entry.routes) > _SHAPES_PER_PROGRAM:
-                self._forget_route(entry, *entry.routes.pop(0))
-        return entry, pick
+                self._forget_route(entry, entry.routes.pop(0))
+        return entry, pick, leaves
 
-    def _pick(self, args: tuple, kwargs: dict, layout: Partition, n_leaves: int) -> Callable[[list], Any]:
+    def _pick(self, args: tuple, kwargs: dict, layout: Partition, n_leaves: int) -> Callable[[Any], Any] | None:
         """Which of the call's leaves are the program's arrays: binds the call shape once, with stand-ins."""
         where = {}  # argument -> (first leaf, number of leaves) among the call's leaves
         start = 0
-        # tree_flatten's order: the positional arguments, then the keywords by sorted name.
-        for at, value in (*enumerate(args), *sorted(kwargs.items())):
+        for at, value in (*enumerate(args), *kwargs.items()):
             n = len(jax.tree_util.tree_leaves(value))
             where[at], start = (start, n), start + n
         bound = self.spec.signature.bind(
@@ -276,16 +301,21 @@ class _Cache:
 
     def _forget_routes(self, entry: _Entry) -> None:
         for route in entry.routes:
-            self._forget_route(entry, *route)
+            self._forget_route(entry, route)
         entry.routes.clear()
 
     @staticmethod
-    def _forget_route(entry: _Entry, table: dict, shape_key: Any, statics: tuple) -> None:
-        shape = table.get(shape_key)
-        if shape is not None and shape.routes.get(statics, (None,))[0] is entry:
-            del shape.routes[statics]
-            if not shape.routes:
-                del table[shape_key]
+    def _forget_route(entry: _Entry, path: tuple) -> None:
+        """Removes a route (its path of (table, key) pairs), and the shapes it leaves empty."""
+        routes, statics = path[-1]
+        if routes.get(statics, (None,))[0] is not entry:
+            return
+        del routes[statics]
+        for table, key in reversed(path[:-1]):
+            shape = table.get(key)
+            if shape is None or shape.routes:
+                return
+            del table[key]
 
     def info(self) -> CacheInfo:
         with self.lock:
@@ -333,20 +363,25 @@ def _make_apply(cache: _Cache) -> Callable:
     EvalTrace = _jax_internals.EvalTrace
 
     def apply(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = flatten((args, kwargs))
-        anomaly = active[0] > 0 and anomaly_enabled()
-        shape = shapes[anomaly].get((treedef, *map(type, leaves)))
-        route = None if shape is None else shape.routes.get(shape.statics(leaves))
+        shape = shapes[active[0] and anomaly_enabled()].get((*map(type, args), *kwargs))
+        leaves = (*args, *kwargs.values()) if kwargs else args
+        if shape is not None and shape.nested:  # pytree arguments: their structure and leaf types
+            leaves, treedef = flatten(leaves)
+            shape = shape.routes.get((treedef, *map(type, leaves)))
+        route = None if shape is None else shape.routes.get(
+            tuple([static_key(leaves[i]) for i in shape.static_at]) if shape.static_at else ()
+        )
         if route is None:
-            entry, pick = cache.route(args, kwargs, leaves, treedef, anomaly)
+            entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
         else:
             entry, pick = route
             try:
                 programs.move_to_end(entry.key)
-                cache.hits += 1
             except KeyError:  # another thread dropped the program just now
-                entry, pick = cache.route(args, kwargs, leaves, treedef, anomaly)
-        arrays = pick(leaves)
+                entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
+            else:
+                cache.hits += 1
+        arrays = leaves if pick is None else pick(leaves)
         try:
             if entry.jitted is not None and type(current_trace.value) is EvalTrace:
                 out = entry.jitted(*arrays)
