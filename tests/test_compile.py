@@ -4,7 +4,9 @@ outer `jit` it inlines; `jit=False` runs op by op; the cache is LRU-bounded
 and safe to use from several threads.
 """
 
+import gc
 import threading
+import weakref
 
 import chex
 import jax
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import vjpkit
+from vjpkit._function import _Program
 
 X = jnp.array([0.5, -1.0, 2.0])
 
@@ -232,6 +235,57 @@ def test_cache_drops_the_least_recently_used_program():
     assert len(calls) == 4
 
 
+def _alive_programs_of(cls) -> int:
+    """Programs of ``cls`` still alive (held by anything: the cache, a remembered call, JAX's caches)."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is _Program and o.spec.forward is cls.forward)
+
+
+def _scale(calls, **options):
+    """``c * x`` with ``c`` an array (traced) or a Python float (static); appends to ``calls`` per trace."""
+
+    @vjpkit.function(**options)
+    class Scale:
+        @staticmethod
+        def forward(ctx, x, c):
+            calls.append(c)
+            ctx.c = c
+            return c * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return ctx.c * g, None
+
+    return Scale
+
+
+def test_dropped_programs_are_freed_whatever_way_they_were_called():
+    calls = []
+    Scale = _scale(calls, cache_size=2)
+    Scale.apply(X, jnp.float32(2.0))  # all arrays
+    Scale.apply(X, jnp.float32(2.0))
+    alive = weakref.WeakSet(o for o in gc.get_objects() if type(o) is _Program and o.spec.forward is Scale.forward)
+    Scale.apply(X, 2.0)
+    Scale.apply(X, 3.0)  # drops the program of an array c
+    assert Scale.cache_info().programs == 2
+    gc.collect()
+    assert len(alive) == 0
+    assert _alive_programs_of(Scale) == 2
+    chex.assert_trees_all_close(Scale.apply(X, jnp.float32(2.0)), 2.0 * X)  # traced again
+    assert len(calls) == 4
+
+
+def test_every_call_that_reuses_a_program_counts_as_a_hit():
+    calls = []
+    Scale = _scale(calls)
+    for _ in range(3):
+        Scale.apply(X, jnp.float32(2.0))
+    Scale.apply(x=X, c=jnp.float32(3.0))
+    Scale.apply(np.asarray(X), np.float32(2.0))
+    info = Scale.cache_info()
+    assert (info.programs, info.hits, info.misses) == (1, 4, 1)
+
+
 def test_cache_size_class_attribute_bounds_the_cache():
     class Scale(vjpkit.Function):
         cache_size = 1
@@ -277,7 +331,7 @@ def test_concurrent_calls_from_eight_threads_match_serial_results():
         t.join()
     assert not errors, errors
 
-    for (x, c), (value, grad) in zip(jobs, results):
+    for (x, c), (value, grad) in zip(jobs, results, strict=True):
         chex.assert_trees_all_close(value, jnp.exp(x) * c)
         chex.assert_trees_all_close(grad, jnp.exp(x) * c)
         chex.assert_trees_all_close((value, grad), run(x, c))

@@ -15,6 +15,7 @@ primal, forward and backward rules run the user's methods, and one
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -29,10 +30,7 @@ from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
 from ._outputs import Packed
 from ._program import Program, Residuals, Spec
-from ._tree import Partition, partition
-
-# The concrete type of a non-traced jax.Array: the fast path's test.
-_ArrayImpl = _jax_internals.ArrayImpl
+from ._tree import Partition, partition, static_key
 
 
 class CacheInfo(NamedTuple):
@@ -138,78 +136,186 @@ def _named(fn: Callable, name: str) -> Callable:
 
 # ---------------------------------------------------------------------------
 # The per-class cache and ``apply``.
+#
+# ``apply`` dispatches on the *call shape*, as ``jax.jit``'s own fast path
+# does: the type of each argument and the keyword names; for arguments that
+# are pytrees (tuples, dicts, None, ...), their structure and the type of each
+# leaf; and the static leaves by ``static_key``. A call shape fixes how the
+# arguments bind to forward's parameters, hence the program: a call of a
+# known shape only reads that key and runs the program's jit on its array
+# leaves. Binding and splitting run once per new call shape.
+
+# Call shapes remembered per program (keyword or positional, NumPy or JAX
+# arrays, ...); beyond it the oldest is forgotten and binds again when next seen.
+_SHAPES_PER_PROGRAM = 16
+
+
+class _Entry:
+    """A cached program, its jit (None for ``jit = False``), and the call shapes routed to it."""
+
+    __slots__ = ("key", "program", "jitted", "routes")
+
+    def __init__(self, key: Any, program: _Program, jitted: Callable | None):
+        self.key = key  # the program's key in _Cache.programs
+        self.program = program
+        self.jitted = jitted
+        self.routes: list[tuple] = []  # where each call shape routed here is remembered (see _Cache.route)
+
+
+class _CallShape:
+    """What a call's argument types (or, for pytree arguments, their structure and leaf types) tell.
+
+    ``nested``: some argument is a pytree, so the shape depends on its
+    structure: ``routes`` maps structure and leaf types to the inner shape.
+    Otherwise the arguments are the leaves, and ``routes`` maps the keys of
+    the static ones (at ``static_at``) to ``(entry, pick)``, ``pick`` taking
+    the program's arrays out of the leaves (None: all the leaves, in order).
+    """
+
+    __slots__ = ("nested", "static_at", "routes")
+
+    def __init__(self, nested: bool, static_at: tuple[int, ...] = ()):
+        self.nested = nested
+        self.static_at = static_at
+        self.routes: dict = {}
+
+
+class _Argument:
+    """Stands for argument ``at`` (a position or a keyword) when binding a call shape."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: int | str):
+        self.at = at
+
+
+def _picker(picked: list[int], constants: list, n_leaves: int) -> Callable[[Any], Any] | None:
+    """The call's leaves -> the program's arrays (``picked`` indexes the leaves, then ``constants``)."""
+    if constants:
+        take = _picker(picked, [], n_leaves + len(constants)) or list
+        return lambda leaves: take([*leaves, *constants])
+    if picked == list(range(n_leaves)):
+        return None
+    if len(picked) == 1:
+        (i,) = picked
+        return lambda leaves: (leaves[i],)
+    return operator.itemgetter(*picked) if picked else lambda leaves: ()
+
+
+def _call_leaves(args: tuple, kwargs: dict) -> tuple:
+    """The arguments in call-shape order: positional, then keywords as given."""
+    return (*args, *kwargs.values()) if kwargs else args
+
+
+def _is_pytree(x: Any) -> bool:
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x)) or x is None
 
 
 class _Cache:
-    """Programs by static signature, least recently used dropped first."""
+    """Programs by static signature, least recently used dropped first, and the call shapes routed to them."""
 
     def __init__(self, spec: Spec):
         self.spec = spec
-        self.programs: collections.OrderedDict = collections.OrderedDict()
+        self.programs: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
+        # Argument types and keyword names -> _CallShape; the second table is for calls under detect_anomaly.
+        self.shapes: tuple[dict, dict] = ({}, {})
         self.lock = threading.Lock()
         self.hits = 0
         self.misses = 0
-        # arity -> jitted program, for calls whose arguments are all plain
-        # arrays: their layout is known without flattening anything.
-        self.fast: dict[int, Callable] = {}
         _CACHES.add(self)
 
     def clear(self) -> None:
-        """Drops every program (``apply`` holds ``fast`` itself, so it is emptied in place)."""
+        """Drops every program (``apply`` holds the tables themselves, so they are emptied in place)."""
         with self.lock:
             self.programs.clear()
-            self.fast.clear()
+            for table in self.shapes:
+                table.clear()
 
-    def program(self, key: Any, layout: Partition, n_values: int, anomaly: bool = False) -> tuple[_Program, Callable]:
-        """The program for ``key`` and its jit."""
-        with self.lock:
-            entry = self.programs.get(key)
-            if entry is not None:
-                self.programs.move_to_end(key)
-                self.hits += 1
-                return entry
-            self.misses += 1
-            program = _Program(self.spec, layout, n_values, anomaly)
-            entry = self.programs[key] = (program, program.jit())
-            while len(self.programs) > self.spec.cache_size:
-                self.programs.popitem(last=False)
-            return entry
+    def route(self, args: tuple, kwargs: dict, anomaly: bool) -> tuple[_Entry, Callable | None, Any]:
+        """For a call of a new shape: binds it, finds (or makes) its program, and remembers the route.
 
-    def call(self, args: tuple, kwargs: dict) -> Any:
+        Returns the entry, the pick and the call's leaves.
+        """
         spec = self.spec
         values = spec.signature.bind(args, kwargs)
-        layout, arrays = partition(values, is_array)
-        key = layout.key  # the static part of the call
-        anomaly = _anomaly.enabled()
-        if anomaly:  # a program with NaN/Inf checks, never on the fast path
-            key = ("detect_anomaly", key)
-        program, jitted = self.program(key, layout, len(values), anomaly)
-        try:
-            if not spec.jit or _jax_internals.is_staging():
-                # Under an outer jit (or scan, checkpoint, ...) the custom_vjp
-                # inlines into the caller's program; jit=False runs op by op.
-                return program.differentiable(*map(as_jax_leaf, arrays)).unpack()
-            out = jitted(*arrays)
-        except UnexpectedTracerError as e:
-            raise _leaked_tracer(spec, e) from None
-        except TypeError as e:
-            # JAX reuses a forward rule it traced for reverse mode, so vjpkit's
-            # own check in _fwd can be skipped; name the class here instead.
-            if str(e).startswith(_JAX_NO_FORWARD_MODE):
-                raise _no_forward_mode(spec) from None
-            raise
-        except Exception as e:
-            if anomaly:  # a failed check, wrapped by JAX in JaxRuntimeError
-                _anomaly.reraise_anomaly(e)
-            raise
-        if (
-            not anomaly
-            and not kwargs
-            and len(values) == len(args)
-            and all(type(a) is _ArrayImpl for a in args)
-        ):
-            self.fast[len(args)] = jitted
-        return out.unpack() if type(out) is Packed else out
+        layout, _ = partition(values, is_array)
+        key = ("detect_anomaly", layout.key) if anomaly else layout.key
+        leaves = _call_leaves(args, kwargs)
+        path = [(self.shapes[anomaly], (*map(type, args), *kwargs))]  # (table, key) down to the route
+        nested = any(map(_is_pytree, leaves))
+        if nested:
+            leaves, treedef = jax.tree_util.tree_flatten(leaves)
+            path.append((None, (treedef, *map(type, leaves))))
+        pick = self._pick(args, kwargs, layout, len(leaves))
+        with self.lock:
+            entry = self.programs.get(key)
+            if entry is None:
+                self.misses += 1
+                program = _Program(spec, layout, len(values), anomaly)
+                entry = self.programs[key] = _Entry(key, program, program.jit() if spec.jit else None)
+                while len(self.programs) > spec.cache_size:
+                    self._forget_routes(self.programs.popitem(last=False)[1])
+            else:
+                self.hits += 1
+                self.programs.move_to_end(key)
+            table, (_, shape_key) = path[0][0], path[0]
+            shape = table.get(shape_key)
+            if shape is None:
+                shape = table[shape_key] = _CallShape(nested)
+            if nested:
+                table, shape_key = shape.routes, path[1][1]
+                shape = table.get(shape_key)
+                if shape is None:
+                    shape = table[shape_key] = _CallShape(False)
+                path[1] = (table, shape_key)
+            if not shape.routes:
+                shape.static_at = tuple(i for i, x in enumerate(leaves) if not is_array(x))
+            statics = tuple(static_key(leaves[i]) for i in shape.static_at)
+            shape.routes[statics] = (entry, pick)
+            entry.routes.append((*path, (shape.routes, statics)))
+            if len(entry.routes) > _SHAPES_PER_PROGRAM:
+                self._forget_route(entry, entry.routes.pop(0))
+        return entry, pick, leaves
+
+    def _pick(self, args: tuple, kwargs: dict, layout: Partition, n_leaves: int) -> Callable[[Any], Any] | None:
+        """Which of the call's leaves are the program's arrays: binds the call shape once, with stand-ins."""
+        where = {}  # argument -> (first leaf, number of leaves) among the call's leaves
+        start = 0
+        for at, value in (*enumerate(args), *kwargs.items()):
+            n = len(jax.tree_util.tree_leaves(value))
+            where[at], start = (start, n), start + n
+        bound = self.spec.signature.bind(
+            tuple(_Argument(i) for i in range(len(args))), {name: _Argument(name) for name in kwargs}
+        )
+        sources: list[int] = []  # per leaf of the bound values: its index among leaves, then constants
+        constants: list = []  # array leaves of defaults
+        for value in bound:
+            if type(value) is _Argument:
+                first, n = where[value.at]
+                sources.extend(range(first, first + n))
+            else:
+                for leaf in jax.tree_util.tree_leaves(value):
+                    sources.append(n_leaves + len(constants))
+                    constants.append(leaf)
+        return _picker([sources[i] for i in layout.dynamic], constants, n_leaves)
+
+    def _forget_routes(self, entry: _Entry) -> None:
+        for route in entry.routes:
+            self._forget_route(entry, route)
+        entry.routes.clear()
+
+    @staticmethod
+    def _forget_route(entry: _Entry, path: tuple) -> None:
+        """Removes a route (its path of (table, key) pairs), and the shapes it leaves empty."""
+        routes, statics = path[-1]
+        if routes.get(statics, (None,))[0] is not entry:
+            return
+        del routes[statics]
+        for table, key in reversed(path[:-1]):
+            shape = table.get(key)
+            if shape is None or shape.routes:
+                return
+            del table[key]
 
     def info(self) -> CacheInfo:
         with self.lock:
@@ -225,27 +331,69 @@ def _clear_function_caches() -> None:
         cache.clear()
 
 
+def _run_in_trace(entry: _Entry, arrays: Any) -> Any:
+    """A call while JAX traces (or of a ``jit = False`` class)."""
+    if entry.jitted is None or _jax_internals.is_staging():
+        # Under an outer jit (or scan, checkpoint, ...) the custom_vjp inlines
+        # into the caller's program; jit=False runs op by op.
+        return entry.program.differentiable(*map(as_jax_leaf, arrays))
+    return entry.jitted(*arrays)
+
+
+def _reraise(spec: Spec, program: _Program, e: Exception) -> None:
+    """Raises vjpkit's error for a JAX error that it can explain better; returns otherwise."""
+    if isinstance(e, UnexpectedTracerError):
+        raise _leaked_tracer(spec, e) from None
+    # JAX reuses a forward rule it traced for reverse mode, so vjpkit's own
+    # check in _fwd can be skipped; name the class here instead.
+    if isinstance(e, TypeError) and str(e).startswith(_JAX_NO_FORWARD_MODE):
+        raise _no_forward_mode(spec) from None
+    if program.anomaly:  # a failed check, wrapped by JAX in JaxRuntimeError
+        _anomaly.reraise_anomaly(e)
+
+
 def _make_apply(cache: _Cache) -> Callable:
-    fast = cache.fast
-    slow = cache.call
-    anomaly = _anomaly.ACTIVE  # [number of open detect_anomaly blocks]
+    spec = cache.spec
+    shapes = cache.shapes
+    programs = cache.programs
+    active = _anomaly.ACTIVE  # [number of open detect_anomaly blocks, in all threads]
+    anomaly_enabled = _anomaly.enabled
+    flatten = jax.tree_util.tree_flatten
     current_trace = _jax_internals.current_trace
     EvalTrace = _jax_internals.EvalTrace
 
     def apply(*args: Any, **kwargs: Any) -> Any:
-        if not kwargs and not anomaly[0]:
-            run = fast.get(len(args))
-            if run is not None and type(current_trace.value) is EvalTrace:
-                for a in args:
-                    if type(a) is not _ArrayImpl:
-                        break
-                else:
-                    out = run(*args)
-                    return out.unpack() if type(out) is Packed else out
-        return slow(args, kwargs)
+        shape = shapes[active[0] and anomaly_enabled()].get((*map(type, args), *kwargs))
+        leaves = (*args, *kwargs.values()) if kwargs else args
+        if shape is not None and shape.nested:  # pytree arguments: their structure and leaf types
+            leaves, treedef = flatten(leaves)
+            shape = shape.routes.get((treedef, *map(type, leaves)))
+        route = None if shape is None else shape.routes.get(
+            tuple([static_key(leaves[i]) for i in shape.static_at]) if shape.static_at else ()
+        )
+        if route is None:
+            entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
+        else:
+            entry, pick = route
+            try:
+                programs.move_to_end(entry.key)
+            except KeyError:  # another thread dropped the program just now
+                entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
+            else:
+                cache.hits += 1
+        arrays = leaves if pick is None else pick(leaves)
+        try:
+            if entry.jitted is not None and type(current_trace.value) is EvalTrace:
+                out = entry.jitted(*arrays)
+            else:
+                out = _run_in_trace(entry, arrays)
+        except Exception as e:
+            _reraise(spec, entry.program, e)
+            raise
+        return out.unpack() if type(out) is Packed else out
 
-    apply.__name__ = apply.__qualname__ = f"{cache.spec.name}.apply"
-    apply.__doc__ = cache.spec.forward.__doc__
+    apply.__name__ = apply.__qualname__ = f"{spec.name}.apply"
+    apply.__doc__ = spec.forward.__doc__
     return apply
 
 

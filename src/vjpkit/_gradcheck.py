@@ -74,6 +74,14 @@ from ._tree import Partition, partition, static_key
 # were no faster here, and a loop costs compile time.)
 _BATCH_BYTES = 1 << 27
 _CACHE_SIZE = 64
+# Jacobians up to this many elements in all come back from the first program,
+# ready for a report: a failed check then compiles no second program.
+_REPORT_ELEMENTS = 1 << 16
+# XLA's CPU compiler spends most of a checking program's compile time in LLVM,
+# one module per fused kernel (a Python loop in fn unrolls into many); kernels
+# emitted without the fusion emitters and unoptimized compile several times
+# faster, and the checking program's run time is negligible.
+_CPU_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
 _BATCHED_GRAD_SAMPLES = 3
 
 
@@ -730,7 +738,8 @@ def _slow_body(t: _Trace) -> tuple:
     # Each check's Jacobian blocks [k][j] in PyTorch's (input, output) layout.
     jacobians = ([("backward", [[a[k].T for a in analytical] for k in range(n_in)])] if analytical else []) + (
         [("forward", forward)] if forward else [])
-    if not t.report:
+    n_elements = sum(_size(v) for v in t.x) * sum(_size(y) for y in t.ys) * len(jacobians)
+    if not t.report and n_elements > _REPORT_ELEMENTS:
         for k in range(n_in):
             references = [(j, jac[k][j]) for _, jac in jacobians for j in range(n_out)]
             failures = iter(_compare_columns(t, k, references))
@@ -738,7 +747,8 @@ def _slow_body(t: _Trace) -> tuple:
                 for j in range(n_out):
                     t.add(check, j, k, next(failures))
         return analytical, {}
-    # The report variant returns the full Jacobians.
+    # The report variant returns the full Jacobians; so does the first program when they are small,
+    # which saves compiling a second program to report a failure.
     blocks = {"numerical": [_central_differences(t, k, jnp.arange(_size(v))) for k, v in enumerate(t.x)]}
     for check, jac in jacobians:
         blocks[check] = jac
@@ -898,7 +908,18 @@ class _Checker:
             self.rerun = jax.default_backend() != "cpu" or _has_host_calls(traced.jaxpr)
         self.outputs = notes.outputs
         notes.detach()
-        return traced.lower().compile(), notes
+        return _compile_lowered(traced.lower()), notes
+
+
+def _compile_lowered(lowered: Any) -> Callable:
+    """Compiles a checking program, with options that cut XLA's CPU compile time where they exist."""
+    if jax.default_backend() == "cpu":
+        try:
+            return lowered.compile(compiler_options=_CPU_COMPILE_OPTIONS)
+        except Exception as e:  # an XLA without one of the options: compile as usual
+            if "compile option" not in str(e):
+                raise
+    return lowered.compile()
 
 
 def _input_ports(split: _Inputs, diff: list) -> list[_Port]:
@@ -1034,7 +1055,7 @@ def _check(fn, args, options, tol, naming) -> None:
                 "mode failed only through its projected tolerance. Use fast_mode=False for this function."
             )
     elif any(s[0] > 0 for (check, _, _), s in zip(notes.rows, summary, strict=True) if check in _JACOBIANS):
-        problems, mismatches = _jacobian_report(fn, checker, diff, fixed, tol, naming)
+        problems, mismatches = _jacobian_report(fn, checker, diff, fixed, tol, naming, (out, notes))
     problems += _other_problems(checker, notes, summary, naming)
     if not problems and checker.rerun and options.check_backward_ad:
         again, _ = checker.run(fn, diff, fixed, tol)
@@ -1136,9 +1157,11 @@ def _fast_mode_problems(checker: _Checker, out: _Output, tol: _Tolerances, namin
     return problems
 
 
-def _jacobian_report(fn, checker, diff, fixed, tol, naming) -> tuple[list[str], list[JacobianMismatch]]:
-    """Runs the report variant of the program and describes every mismatching block."""
-    out, notes = checker.run(fn, diff, fixed, tol, report=True)
+def _jacobian_report(fn, checker, diff, fixed, tol, naming, first=None) -> tuple[list[str], list[JacobianMismatch]]:
+    """Describes every mismatching block, from the first run's Jacobians or from the report variant's."""
+    out, notes = first if first is not None and "numerical" in first[0].blocks else (None, None)
+    if out is None:
+        out, notes = checker.run(fn, diff, fixed, tol, report=True)
     summary = _summary(out)
     problems, mismatches = [], []
     for (check, j, k), s in zip(notes.rows, summary, strict=True):
