@@ -147,7 +147,7 @@ class _Report:
         self.owner, self.method, self.wheres = owner, method, wheres
 
     def __call__(self, stats: Sequence[tuple]) -> None:
-        for (where, shape), (n_nan, n_inf, first) in zip(self.wheres, stats):
+        for (where, shape), (n_nan, n_inf, first) in zip(self.wheres, stats, strict=True):
             n_nan, n_inf = int(n_nan), int(n_inf)
             if n_nan or n_inf:
                 message = anomaly_message(self.owner, self.method, where, shape, n_nan, n_inf, int(first))
@@ -164,8 +164,10 @@ def anomaly_message(owner: str, method: str, where: str, shape: tuple, n_nan: in
     )
     cause = {
         "forward": f"look for a log, sqrt, division or overflow in {owner}.forward, or NaN/Inf already in its inputs",
-        "backward": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.backward, or NaN/Inf in the incoming gradient",
-        "jvp": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.jvp, or NaN/Inf in the incoming tangents",
+        "backward": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.backward, "
+        "or NaN/Inf in the incoming gradient",
+        "jvp": f"look for a division by zero, a log or sqrt at 0, or an overflow in {owner}.jvp, "
+        "or NaN/Inf in the incoming tangents",
     }.get(method, f"look at {owner}.{method}")
     return (
         f"{owner}.{method} returned {kind} in {where}: {counts} of {size} "
