@@ -1,7 +1,7 @@
-"""Compilation (design.md, "Compilation" and "When user code runs"): `apply`
-is jit-compiled, one program per static signature, traced once; inside an
-outer `jit` it inlines; `jit=False` runs op by op; the cache is LRU-bounded
-and safe to use from several threads.
+"""Compilation, and when user code runs: `apply` is jit-compiled, one program
+per static signature, traced once; inside an outer `jit` it inlines;
+`jit=False` runs op by op; the cache is LRU-bounded and safe to use from
+several threads.
 """
 
 import threading
@@ -266,7 +266,7 @@ def test_concurrent_calls_from_eight_threads_match_serial_results():
         t.join()
     assert not errors, errors
 
-    for (x, c), (value, grad) in zip(jobs, results):
+    for (x, c), (value, grad) in zip(jobs, results, strict=True):
         chex.assert_trees_all_close(value, jnp.exp(x) * c)
         chex.assert_trees_all_close(grad, jnp.exp(x) * c)
         chex.assert_trees_all_close((value, grad), run(x, c))
