@@ -34,12 +34,12 @@ defaults throughout.
 import argparse
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+from _timing import Candidate, median, no_wait, paired_ratio, print_table, time_interleaved
 
 EPS, ATOL = 1e-6, 1e-4
 FIRST_CALL = ("vjpkit", "vjpkit fast_mode", "torch slow", "torch slow, 1 thread",
@@ -138,26 +138,6 @@ def check_grads_call():
     return call
 
 
-def time_interleaved(cands, repeat):
-    """Seconds per call of each (name, call, calls per repeat), one sample per repeat, rotating the order."""
-    samples = {name: [] for name, _, _ in cands}
-    for _, call, _ in cands:  # warm up: compile, fill caches (a failed check raises)
-        call()
-        call()
-    for r in range(repeat):
-        for name, call, number in cands[r % len(cands):] + cands[:r % len(cands)]:
-            start = time.perf_counter()
-            for _ in range(number):
-                call()
-            samples[name].append((time.perf_counter() - start) / number)
-    return samples
-
-
-def paired_ratio(samples, name, baseline):
-    """Median over repeats of baseline's time / name's time in the same repeat."""
-    return statistics.median(b / a for a, b in zip(samples[name], samples[baseline]))
-
-
 def in_subprocess(flag, kind, runs):
     """Runs this script with ``flag kind`` ``runs`` times; the last number each printed."""
     out = []
@@ -169,13 +149,10 @@ def in_subprocess(flag, kind, runs):
 
 
 def table(title, rows, extra=None):
-    print(f"\n{title}")
-    header = f"| {'checker':<38} | {'median ms':>9} | {'min ms':>8} |" + (f" {extra[0]:>23} |" if extra else "")
-    print(header)
-    print(f"|{'-' * 40}|{'-' * 10}:|{'-' * 9}:|" + (f"{'-' * 24}:|" if extra else ""))
-    for name, s in rows:
-        line = f"| {name:<38} | {statistics.median(s) * 1e3:>9.3f} | {min(s) * 1e3:>8.3f} |"
-        print(line + (f" {extra[1](name):>23.1f} |" if extra else ""))
+    """Median and minimum ms per call of each ``(name, seconds per call)``; ``extra``: (header, name -> value)."""
+    header = ["checker", "median ms", "min ms", *([extra[0]] if extra else [])]
+    print_table(title, header, [(name, f"{median(s) * 1e3:.3f}", f"{min(s) * 1e3:.3f}",
+                                 *([f"{extra[1](name):.1f}"] if extra else [])) for name, s in rows])
 
 
 def verdict(label, ratio, target):
@@ -197,7 +174,8 @@ def main():
     if args.warm:
         call = checker(args.warm)
         number = 1 if "slow" in args.warm else 100
-        return print(statistics.median(time_interleaved([(args.warm, call, number)], repeat)[args.warm]))
+        samples = time_interleaved([Candidate(args.warm, call, no_wait, number)], repeat=repeat, warmup=2)
+        return print(median(samples[args.warm]))
 
     import jax
 
@@ -210,14 +188,16 @@ def main():
     print("LinearFunction, inputs randn(20, 20), randn(30, 20) float64, eps=1e-6, atol=1e-4")
 
     full, fast = "vjpkit gradcheck (full Jacobian)", "vjpkit gradcheck fast_mode"
-    cands = [(full, checker("vjpkit"), 10), (fast, checker("vjpkit fast_mode"), 100),
-             ("jax check_grads (one direction)", check_grads_call(), 10)]
+    # Every checker returns only when its check is done: nothing to wait for.
+    cands = [Candidate(full, checker("vjpkit"), no_wait, 10),
+             Candidate(fast, checker("vjpkit fast_mode"), no_wait, 100),
+             Candidate("jax check_grads (one direction)", check_grads_call(), no_wait, 10)]
     if torch:
-        cands += [("torch gradcheck (slow mode), 1 thread", checker("torch slow, 1 thread"), 1),
-                  ("torch gradcheck fast_mode, 1 thread", checker("torch fast_mode, 1 thread"), 100)]
-    samples = time_interleaved(cands, repeat)
+        cands += [Candidate("torch gradcheck (slow mode), 1 thread", checker("torch slow, 1 thread"), no_wait, 1),
+                  Candidate("torch gradcheck fast_mode, 1 thread", checker("torch fast_mode, 1 thread"), no_wait, 100)]
+    samples = time_interleaved(cands, repeat=repeat, warmup=2)
     table(f"Warm calls in one process, {repeat} repeats", samples.items(),
-          ("vjpkit full is x faster", lambda name: paired_ratio(samples, full, name)))
+          ("vjpkit full is x faster", lambda name: paired_ratio(samples, name, full)))
 
     kinds = [k for k in FIRST_CALL if torch or k.startswith("vjpkit")]
     if torch:
@@ -229,18 +209,17 @@ def main():
 
     if torch:
         print()
-        median = {name: statistics.median(s) for name, s in samples.items()}
         verdict("warm full vs torch slow mode, 1 thread (paired)",
-                paired_ratio(samples, full, "torch gradcheck (slow mode), 1 thread"), 50)
+                paired_ratio(samples, "torch gradcheck (slow mode), 1 thread", full), 50)
         verdict("warm full vs torch slow mode, default threads",
-                warm_default["torch slow"][0] / median[full], 50)
+                warm_default["torch slow"][0] / median(samples[full]), 50)
         for torch_kind in ("torch slow", "torch slow, 1 thread"):
             verdict(f"first call vs {torch_kind}'s first call",
-                    statistics.median(first[torch_kind]) / statistics.median(first["vjpkit"]), 1)
+                    median(first[torch_kind]) / median(first["vjpkit"]), 1)
         verdict("warm fast_mode vs torch fast_mode, 1 thread (paired)",
-                paired_ratio(samples, fast, "torch gradcheck fast_mode, 1 thread"), 1)
+                paired_ratio(samples, "torch gradcheck fast_mode, 1 thread", fast), 1)
         verdict("warm fast_mode vs torch fast_mode, default threads",
-                warm_default["torch fast_mode"][0] / median[fast], 1)
+                warm_default["torch fast_mode"][0] / median(samples[fast]), 1)
 
 
 if __name__ == "__main__":

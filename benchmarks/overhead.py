@@ -12,19 +12,18 @@
 
 All candidates run in one process, interleaved repeat by repeat in a rotating
 order (so drift and cache effects hit all of them alike); each repeat times `number` back-to-back calls and
-blocks once at the end. Printed: the median and the minimum over repeats, in
-µs per call, and each ratio as the median of per-repeat ratios (robust to
-load from other processes; see `paired_ratio`).
+blocks once at the end (benchmarks/_timing.py). Printed: the median and the
+minimum over repeats, in µs per call, and each ratio as the median of
+per-repeat ratios (robust to load from other processes).
 """
 
 import argparse
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import Candidate, median, no_wait, paired_ratio, print_table, time_interleaved
 
 import vjpkit
 
@@ -79,44 +78,12 @@ if torch is not None:
             return g * y
 
 
-def time_interleaved(candidates, *, number, repeat):
-    """Per-call µs of each `(name, call, sync)`, one sample per repeat; `sync` blocks on the last result."""
-    samples = {name: [] for name, _, _ in candidates}
-    for name, call, sync in candidates:  # warm up: compile, fill caches
-        for _ in range(max(10, number // 10)):
-            sync(call())
-    for r in range(repeat):
-        # Rotate the order every repeat: whoever runs first after a switch pays for cold caches.
-        for name, call, sync in candidates[r % len(candidates):] + candidates[:r % len(candidates)]:
-            start = time.perf_counter()
-            for _ in range(number):
-                result = call()
-            sync(result)
-            samples[name].append((time.perf_counter() - start) / number * 1e6)
-    return samples
-
-
-def paired_ratio(samples, name, baseline):
-    """Median over repeats of name's time / baseline's time in the same repeat.
-
-    Both ran back to back, so load that comes and goes (other processes on
-    the machine) cancels out of each ratio; a ratio of two medians can be
-    off by 10% on a busy machine even for two copies of the same program.
-    """
-    return statistics.median(a / b for a, b in zip(samples[name], samples[baseline]))
-
-
-def print_table(title, samples, baseline):
-    print(f"\n{title} (ratio: median of per-repeat ratios to {baseline})")
-    print(f"| {'candidate':<44} | {'median µs/call':>14} | {'min µs/call':>11} | {'ratio':>5} |")
-    print(f"|{'-' * 46}|{'-' * 15}:|{'-' * 12}:|{'-' * 6}:|")
-    for name, s in samples.items():
-        print(f"| {name:<44} | {statistics.median(s):>14.2f} | {min(s):>11.2f} "
-              f"| {paired_ratio(samples, name, baseline):>5.2f} |")
-
-
-def noop(_):
-    pass
+def table(title, samples, baseline):
+    """Median and minimum µs per call, and each candidate's paired ratio to ``baseline``."""
+    rows = [(name, f"{median(s) * 1e6:.2f}", f"{min(s) * 1e6:.2f}", f"{paired_ratio(samples, name, baseline):.2f}")
+            for name, s in samples.items()]
+    print_table(f"{title} (ratio: median of per-repeat ratios to {baseline})",
+                ["candidate", "median µs/call", "min µs/call", "ratio"], rows)
 
 
 def main():
@@ -136,22 +103,23 @@ def main():
     np.testing.assert_allclose(Exp.apply(x), exp_by_hand_jit(x), rtol=1e-6)
 
     candidates = [
-        ("hand-written jax.jit(jax.custom_vjp)", lambda: exp_by_hand_jit(x), jax.block_until_ready),
-        ("vjpkit Exp.apply", lambda: Exp.apply(x), jax.block_until_ready),
-        ("hand-written, second copy (A/A control)", lambda: exp_by_hand_jit_copy(x), jax.block_until_ready),
+        Candidate("hand-written jax.jit(jax.custom_vjp)", lambda: exp_by_hand_jit(x)),
+        Candidate("vjpkit Exp.apply", lambda: Exp.apply(x)),
+        Candidate("hand-written, second copy (A/A control)", lambda: exp_by_hand_jit_copy(x)),
     ]
     if torch is not None:
         tx = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float32)
         tx_req = tx.clone().requires_grad_(True)
         candidates += [
-            ("torch Function.apply", lambda: TorchExp.apply(tx), noop),
-            ("torch Function.apply (requires_grad input)", lambda: TorchExp.apply(tx_req), noop),
+            Candidate("torch Function.apply", lambda: TorchExp.apply(tx), no_wait),
+            Candidate("torch Function.apply (requires_grad input)", lambda: TorchExp.apply(tx_req), no_wait),
         ]
-    baseline = candidates[0][0]
-    forward = time_interleaved(candidates, number=number, repeat=repeat)
-    print_table("Eager forward, 3-element float32 Exp", forward, baseline)
+    baseline = candidates[0].name
+    forward = time_interleaved(candidates, number=number, repeat=repeat, warmup=max(10, number // 10))
+    table("Eager forward, 3-element float32 Exp", forward, baseline)
     ratio = paired_ratio(forward, "vjpkit Exp.apply", baseline)
-    print(f"\nvjpkit / hand-written (eager forward): {ratio:.3f}  (target <= 1.2: {'met' if ratio <= 1.2 else 'NOT met'})")
+    verdict = "met" if ratio <= 1.2 else "NOT met"
+    print(f"\nvjpkit / hand-written (eager forward): {ratio:.3f}  (target <= 1.2: {verdict})")
 
     # --- 2. jitted gradient step -------------------------------------------
     def loss(exp):
@@ -161,8 +129,8 @@ def main():
     grad_by_hand = jax.jit(jax.grad(loss(exp_by_hand)))
     np.testing.assert_allclose(grad_vjpkit(x), grad_by_hand(x), rtol=1e-6)
     candidates = [
-        ("hand-written jax.jit(jax.grad(loss))", lambda: grad_by_hand(x), jax.block_until_ready),
-        ("vjpkit jax.jit(jax.grad(loss))", lambda: grad_vjpkit(x), jax.block_until_ready),
+        Candidate("hand-written jax.jit(jax.grad(loss))", lambda: grad_by_hand(x)),
+        Candidate("vjpkit jax.jit(jax.grad(loss))", lambda: grad_vjpkit(x)),
     ]
     if torch is not None:
         tx_req = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float32, requires_grad=True)
@@ -173,10 +141,10 @@ def main():
             return tx_req.grad
 
         np.testing.assert_allclose(torch_step().numpy(), np.asarray(grad_vjpkit(x)), rtol=1e-6)
-        candidates.append(("torch forward + backward", torch_step, noop))
-    baseline = candidates[0][0]
-    step = time_interleaved(candidates, number=number // 2, repeat=repeat)
-    print_table("Gradient step, loss = sum(exp(x) * x), 3-element float32", step, baseline)
+        candidates.append(Candidate("torch forward + backward", torch_step, no_wait))
+    baseline = candidates[0].name
+    step = time_interleaved(candidates, number=number // 2, repeat=repeat, warmup=max(10, number // 20))
+    table("Gradient step, loss = sum(exp(x) * x), 3-element float32", step, baseline)
     ratio = paired_ratio(step, "vjpkit jax.jit(jax.grad(loss))", baseline)
     print(f"\nvjpkit / hand-written (jitted grad step): {ratio:.3f}")
     if torch is not None:
