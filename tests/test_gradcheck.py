@@ -33,6 +33,15 @@ def linear(x, w):
     return x @ w.T
 
 
+# Wrong backwards that several tests check with the same inputs and options:
+# defined once, so that gradcheck compiles each check once (it caches per function).
+SIN_GRAD_TEN_PERCENT_HIGH = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+LINEAR_X_GRAD_TEN_PERCENT_HIGH = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+LINEAR_W_GRAD_TEN_PERCENT_LOW = custom_vjp(linear, lambda x, w, g: (g @ w, 0.9 * (g.T @ x)))
+# The backward hides x from differentiation: right to first order, its own derivative misses g * -sin(x).
+SIN_RIGHT_TO_FIRST_ORDER_ONLY = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+
+
 def mismatches(fn, inputs, **kw):
     with pytest.raises(vjpkit.GradcheckError) as info:
         vjpkit.gradcheck(fn, inputs, **kw)
@@ -120,7 +129,7 @@ def test_complex_function_passes():
 
 
 def test_backward_scaled_by_1_1_is_caught():
-    f = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+    f = SIN_GRAD_TEN_PERCENT_HIGH
     (m,) = mismatches(f, (V,))
     assert (m.output_index, m.input_index) == (0, 0)
     assert m.analytical_value == pytest.approx(1.1 * m.numerical_value, rel=1e-6)
@@ -144,7 +153,7 @@ def test_missing_term_is_caught():
 
 
 def test_wrong_gradient_for_one_input_only_is_reported_for_that_input():
-    f = custom_vjp(linear, lambda x, w, g: (g @ w, 0.9 * (g.T @ x)))
+    f = LINEAR_W_GRAD_TEN_PERCENT_LOW
     (m,) = mismatches(f, (X, W))
     assert (m.output_index, m.input_index) == (0, 1)
     assert m.mismatched == np.count_nonzero(true_jacobian(linear, (X, W), None, 1))
@@ -182,7 +191,7 @@ def test_mismatch_names_pytree_paths_of_input_and_output():
 
 
 def test_mismatch_holds_both_jacobians_in_pytorch_layout():
-    f = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+    f = LINEAR_X_GRAD_TEN_PERCENT_HIGH
     (m,) = mismatches(f, (X, W))
     expected = true_jacobian(linear, (X, W), None, 0)  # (input elements, output elements)
     np.testing.assert_allclose(m.numerical, expected, atol=1e-8)
@@ -191,7 +200,7 @@ def test_mismatch_holds_both_jacobians_in_pytorch_layout():
 
 def test_worst_element_is_indexed_in_the_leaves_own_shapes():
     # d y[i, j] / d x[i, k] = w[j, k]: only those pairs are nonzero.
-    f = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+    f = LINEAR_X_GRAD_TEN_PERCENT_HIGH
     (m,) = mismatches(f, (X, W))
     (i, j), (i2, k) = m.output_element, m.input_element
     assert i == i2
@@ -242,7 +251,7 @@ def test_nan_gradient_is_a_mismatch():
 
 
 def test_report_names_pair_worst_element_values_and_differences():
-    f = custom_vjp(linear, lambda x, w, g: (g @ w, 0.9 * (g.T @ x)))
+    f = LINEAR_W_GRAD_TEN_PERCENT_LOW
     with pytest.raises(vjpkit.GradcheckError) as info:
         vjpkit.gradcheck(f, (X, W))
     (m,) = info.value.mismatches
@@ -258,7 +267,7 @@ def test_report_names_pair_worst_element_values_and_differences():
 def test_report_truncates_large_jacobians():
     rng = np.random.default_rng(2)
     inputs = (rng.standard_normal((20, 20)), rng.standard_normal((30, 20)))
-    f = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+    f = LINEAR_X_GRAD_TEN_PERCENT_HIGH
     with pytest.raises(vjpkit.GradcheckError) as info:
         vjpkit.gradcheck(f, inputs, eps=1e-6, atol=1e-4)
     report = str(info.value)
@@ -271,7 +280,7 @@ def test_gradcheck_error_is_a_runtime_error():
 
 
 def test_raise_exception_false_returns_false():
-    f = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+    f = SIN_GRAD_TEN_PERCENT_HIGH
     assert vjpkit.gradcheck(f, (V,), raise_exception=False) is False
 
 
@@ -303,7 +312,7 @@ def test_fast_mode_failure_reports_projection_and_full_jacobians():
 
 
 def test_fast_mode_raise_exception_false_returns_false():
-    f = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+    f = SIN_GRAD_TEN_PERCENT_HIGH
     assert vjpkit.gradcheck(f, (V,), fast_mode=True, raise_exception=False) is False
 
 
@@ -688,7 +697,7 @@ def test_gradgradcheck_passes_tutorial_linear_function_with_bias():
 
 def test_gradgradcheck_catches_backward_that_is_right_only_to_first_order():
     # The backward hides x from differentiation: its own derivative is missing g * -sin(x).
-    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    f = SIN_RIGHT_TO_FIRST_ORDER_ONLY
     assert vjpkit.gradcheck(f, (V,))
     with pytest.raises(vjpkit.GradcheckError) as info:
         vjpkit.gradgradcheck(f, (V,))
@@ -708,7 +717,7 @@ def test_gradgradcheck_names_grad_outputs_in_the_report():
 
 def test_gradgradcheck_uses_given_grad_outputs():
     # The missing second-order term is -g * sin(x): invisible where g is zero.
-    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    f = SIN_RIGHT_TO_FIRST_ORDER_ONLY
     assert vjpkit.gradgradcheck(f, (V,), (np.zeros(5),))
     assert vjpkit.gradgradcheck(f, (V,), np.zeros(5))  # a single array for a single output
     assert not vjpkit.gradgradcheck(f, (V,), (np.ones(5),), raise_exception=False)
@@ -741,5 +750,5 @@ def test_gradgradcheck_of_once_differentiable_backward_raises_its_error():
 
 
 def test_gradgradcheck_raise_exception_false_returns_false():
-    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    f = SIN_RIGHT_TO_FIRST_ORDER_ONLY
     assert vjpkit.gradgradcheck(f, (V,), raise_exception=False) is False
