@@ -9,9 +9,9 @@ one of them is not importable. Examples run in subprocesses, several at a
 time (they are independent, and most of each run is importing JAX), each
 with a timeout: `VJPKIT_EXAMPLE_TIMEOUT` seconds, 300 by default.
 
-The training examples run briefly here (`SHORT_RUN`): tests/test_training.py
-trains them to the numbers they promise, so here only the script itself
-(arguments, imports, output) needs to run.
+The training examples are the exception (`RUN_BY_TEST_TRAINING`):
+tests/test_training.py runs their scripts and checks the numbers they print,
+so running them here too would only train the same models twice.
 """
 
 import concurrent.futures
@@ -25,15 +25,11 @@ import sys
 import pytest
 
 EXAMPLES_DIR = pathlib.Path(__file__).resolve().parent.parent / "examples"
-EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
+ALL_EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
 TIMEOUT_S = float(os.environ.get("VJPKIT_EXAMPLE_TIMEOUT", "300"))
 REQUIRES_LINE = re.compile(r"^#\s*requires:\s*(.+)$", re.MULTILINE)
-SHORT_RUN = {
-    "train_mlp.py": ["--epochs", "1"],
-    "train_sharded.py": ["--epochs", "1"],
-    "equinox_module.py": ["--steps", "100"],
-    "flax_nnx_module.py": ["--steps", "100"],
-}
+RUN_BY_TEST_TRAINING = {"train_mlp.py", "train_sharded.py", "equinox_module.py", "flax_nnx_module.py"}
+EXAMPLES = [p for p in ALL_EXAMPLES if p.name not in RUN_BY_TEST_TRAINING]
 
 
 def required_modules(path):
@@ -57,7 +53,7 @@ def run_example(path):
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     try:
         return subprocess.run(
-            [sys.executable, str(path), *SHORT_RUN.get(path.name, [])],
+            [sys.executable, str(path)],
             cwd=EXAMPLES_DIR.parent,
             env=env,
             capture_output=True,
@@ -90,7 +86,7 @@ def example_runs(request):
 
 def test_examples_exist():
     assert EXAMPLES, f"no examples found in {EXAMPLES_DIR}"
-    assert set(SHORT_RUN) <= {p.name for p in EXAMPLES}
+    assert RUN_BY_TEST_TRAINING <= {p.name for p in ALL_EXAMPLES}
 
 
 @pytest.mark.parametrize("example", [example_param(p) for p in EXAMPLES])
