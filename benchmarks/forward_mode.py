@@ -12,11 +12,10 @@ Target: vjpkit / jnp <= 1.1.
 """
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from _timing import Candidate, median, print_table, time_interleaved
 
 import vjpkit
 
@@ -59,24 +58,6 @@ def loss(layer):
     return lambda x, w1, w2: jnp.sum(f(x, w1, w2) ** 2)
 
 
-def time_interleaved(candidates, args, number, repeats):
-    """{name: [µs per call, one per repeat]}, candidates rotating each repeat."""
-    for fn in candidates.values():
-        jax.block_until_ready(fn(*args))
-    samples = {name: [] for name in candidates}
-    names = list(candidates)
-    for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            fn = candidates[name]
-            start = time.perf_counter()
-            for _ in range(number):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            samples[name].append((time.perf_counter() - start) / number * 1e6)
-    return samples
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -95,14 +76,16 @@ def main():
         "hessian (w.r.t. x)": lambda layer: jax.jit(jax.hessian(loss(layer))),
     }
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; x {x.shape}, w1 {w1.shape}, w2 {w2.shape}")
-    print(f"{'transformation':<22}{'vjpkit µs':>12}{'jnp µs':>12}{'ratio':>8}")
+    rows = []
     for name, make in jobs.items():
         candidates = {"vjpkit": make(TanhLinear.apply), "jnp": make(tanh_linear)}
         reference = candidates["jnp"](*args)
         assert jnp.allclose(candidates["vjpkit"](*args), reference, rtol=1e-4, atol=1e-5), name
-        samples = time_interleaved(candidates, args, number, repeats)
-        ours, theirs = statistics.median(samples["vjpkit"]), statistics.median(samples["jnp"])
-        print(f"{name:<22}{ours:>12.1f}{theirs:>12.1f}{ours / theirs:>8.3f}")
+        samples = time_interleaved([Candidate(n, lambda fn=fn: fn(*args)) for n, fn in candidates.items()],
+                                   number=number, repeat=repeats)
+        ours, theirs = median(samples["vjpkit"]) * 1e6, median(samples["jnp"]) * 1e6
+        rows.append((name, f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.3f}"))
+    print_table(None, ["transformation", "vjpkit µs", "jnp µs", "ratio"], rows)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,6 @@ Jacobian.
    in its own subprocess (after imports and input creation), several times;
    medians.
 
-4. A Python loop in ``fn``: entmax's bisection (``--bisection N``, default
-   50 steps) in plain ``jnp`` on a 3x5 float64 input, against the same loop
-   in torch checked by ``torch.autograd.gradcheck`` (1 thread): the first
-   call in a fresh subprocess and the warm call. The check fails for both
-   (differentiating through a bisection is not its derivative); what is
-   timed is the work of checking and reporting. Target: vjpkit's first call
-   no slower than torch's.
-
 Targets: warm full gradcheck >= 50x faster than torch slow mode; first call
 no slower than torch slow mode's; fast_mode no slower than torch's.
 
@@ -42,69 +34,17 @@ defaults throughout.
 import argparse
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+from _timing import Candidate, median, no_wait, paired_ratio, print_table, time_interleaved
 
 EPS, ATOL = 1e-6, 1e-4
 FIRST_CALL = ("vjpkit", "vjpkit fast_mode", "torch slow", "torch slow, 1 thread",
               "torch fast_mode", "torch fast_mode, 1 thread")
 TORCH_DEFAULT_THREADS = ("torch slow", "torch fast_mode")
-
-
-BISECTION = ("vjpkit", "torch, 1 thread")
-
-
-def entmax_bisect(X, n_iter, np_like, clip):
-    """entmax 1.5 by bisection, written once for jnp and torch (``np_like``: the module, ``clip``: x -> max(x, 0))."""
-    alpha, d = 1.5, X.shape[-1]
-    X = X * (alpha - 1)
-    max_val = X.max(-1, keepdims=True) if np_like is not None else X.max(-1, keepdim=True)[0]
-    keep = {"keepdims": True} if np_like is not None else {"keepdim": True}
-    tau_lo = max_val - 1.0
-    tau_hi = max_val - (1.0 / d) ** (alpha - 1)
-    f_lo = (clip(X - tau_lo) ** (1 / (alpha - 1))).sum(-1, **keep) - 1
-    dm = tau_hi - tau_lo
-    for _ in range(n_iter):
-        dm = dm / 2
-        tau_m = tau_lo + dm
-        p_m = clip(X - tau_m) ** (1 / (alpha - 1))
-        f_m = p_m.sum(-1, **keep) - 1
-        mask = f_m * f_lo >= 0
-        tau_lo = np_like.where(mask, tau_m, tau_lo) if np_like is not None else torch_where(mask, tau_m, tau_lo)
-    return p_m / p_m.sum(-1, **keep)
-
-
-def torch_where(mask, a, b):
-    import torch
-
-    return torch.where(mask, a, b)
-
-
-def bisection_checker(kind, n_iter):
-    """A zero-argument call that runs one gradient check of the n_iter-step bisection."""
-    x = np.random.default_rng(0).standard_normal((3, 5))
-    if kind == "vjpkit":
-        import jax.numpy as jnp
-
-        import vjpkit
-
-        def f(X):
-            return entmax_bisect(X, n_iter, jnp, lambda v: jnp.clip(v, 0))
-
-        return lambda: vjpkit.gradcheck(f, (x,), raise_exception=False)
-    import torch
-
-    torch.set_num_threads(1)
-    tx = torch.tensor(x, requires_grad=True)
-
-    def g(X):
-        return entmax_bisect(X, n_iter, None, lambda v: v.clamp(min=0))
-
-    return lambda: torch.autograd.gradcheck(g, (tx,), raise_exception=False)
 
 
 def tutorial_inputs():
@@ -198,26 +138,6 @@ def check_grads_call():
     return call
 
 
-def time_interleaved(cands, repeat):
-    """Seconds per call of each (name, call, calls per repeat), one sample per repeat, rotating the order."""
-    samples = {name: [] for name, _, _ in cands}
-    for _, call, _ in cands:  # warm up: compile, fill caches (a failed check raises)
-        call()
-        call()
-    for r in range(repeat):
-        for name, call, number in cands[r % len(cands):] + cands[:r % len(cands)]:
-            start = time.perf_counter()
-            for _ in range(number):
-                call()
-            samples[name].append((time.perf_counter() - start) / number)
-    return samples
-
-
-def paired_ratio(samples, name, baseline):
-    """Median over repeats of baseline's time / name's time in the same repeat."""
-    return statistics.median(b / a for a, b in zip(samples[name], samples[baseline], strict=True))
-
-
 def in_subprocess(flag, kind, runs):
     """Runs this script with ``flag kind`` ``runs`` times; the last number each printed."""
     out = []
@@ -229,13 +149,10 @@ def in_subprocess(flag, kind, runs):
 
 
 def table(title, rows, extra=None):
-    print(f"\n{title}")
-    header = f"| {'checker':<38} | {'median ms':>9} | {'min ms':>8} |" + (f" {extra[0]:>23} |" if extra else "")
-    print(header)
-    print(f"|{'-' * 40}|{'-' * 10}:|{'-' * 9}:|" + (f"{'-' * 24}:|" if extra else ""))
-    for name, s in rows:
-        line = f"| {name:<38} | {statistics.median(s) * 1e3:>9.3f} | {min(s) * 1e3:>8.3f} |"
-        print(line + (f" {extra[1](name):>23.1f} |" if extra else ""))
+    """Median and minimum ms per call of each ``(name, seconds per call)``; ``extra``: (header, name -> value)."""
+    header = ["checker", "median ms", "min ms", *([extra[0]] if extra else [])]
+    print_table(title, header, [(name, f"{median(s) * 1e3:.3f}", f"{min(s) * 1e3:.3f}",
+                                 *([f"{extra[1](name):.1f}"] if extra else [])) for name, s in rows])
 
 
 def verdict(label, ratio, target):
@@ -247,8 +164,6 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer repeats, for a smoke run")
     parser.add_argument("--first-call", choices=FIRST_CALL, help=argparse.SUPPRESS)
     parser.add_argument("--warm", choices=TORCH_DEFAULT_THREADS, help=argparse.SUPPRESS)
-    parser.add_argument("--bisection", type=int, default=50, metavar="N", help="steps of the bisection case (4.)")
-    parser.add_argument("--bisection-call", choices=BISECTION, help=argparse.SUPPRESS)
     args = parser.parse_args()
     repeat, runs = (5, 2) if args.quick else (31, 7)
     if args.first_call:
@@ -256,17 +171,11 @@ def main():
         start = time.perf_counter()
         call()
         return print(time.perf_counter() - start)
-    if args.bisection_call:
-        call = bisection_checker(args.bisection_call, args.bisection)
-        start = time.perf_counter()
-        call()
-        first = time.perf_counter() - start
-        warm = statistics.median(time_interleaved([("warm", call, 1)], 5)["warm"])
-        return print(first, warm)
     if args.warm:
         call = checker(args.warm)
         number = 1 if "slow" in args.warm else 100
-        return print(statistics.median(time_interleaved([(args.warm, call, number)], repeat)[args.warm]))
+        samples = time_interleaved([Candidate(args.warm, call, no_wait, number)], repeat=repeat, warmup=2)
+        return print(median(samples[args.warm]))
 
     import jax
 
@@ -279,14 +188,16 @@ def main():
     print("LinearFunction, inputs randn(20, 20), randn(30, 20) float64, eps=1e-6, atol=1e-4")
 
     full, fast = "vjpkit gradcheck (full Jacobian)", "vjpkit gradcheck fast_mode"
-    cands = [(full, checker("vjpkit"), 10), (fast, checker("vjpkit fast_mode"), 100),
-             ("jax check_grads (one direction)", check_grads_call(), 10)]
+    # Every checker returns only when its check is done: nothing to wait for.
+    cands = [Candidate(full, checker("vjpkit"), no_wait, 10),
+             Candidate(fast, checker("vjpkit fast_mode"), no_wait, 100),
+             Candidate("jax check_grads (one direction)", check_grads_call(), no_wait, 10)]
     if torch:
-        cands += [("torch gradcheck (slow mode), 1 thread", checker("torch slow, 1 thread"), 1),
-                  ("torch gradcheck fast_mode, 1 thread", checker("torch fast_mode, 1 thread"), 100)]
-    samples = time_interleaved(cands, repeat)
+        cands += [Candidate("torch gradcheck (slow mode), 1 thread", checker("torch slow, 1 thread"), no_wait, 1),
+                  Candidate("torch gradcheck fast_mode, 1 thread", checker("torch fast_mode, 1 thread"), no_wait, 100)]
+    samples = time_interleaved(cands, repeat=repeat, warmup=2)
     table(f"Warm calls in one process, {repeat} repeats", samples.items(),
-          ("vjpkit full is x faster", lambda name: paired_ratio(samples, full, name)))
+          ("vjpkit full is x faster", lambda name: paired_ratio(samples, name, full)))
 
     kinds = [k for k in FIRST_CALL if torch or k.startswith("vjpkit")]
     if torch:
@@ -296,49 +207,19 @@ def main():
     first = {k: in_subprocess("--first-call", k, runs) for k in kinds}
     table(f"First call in a fresh process (compilation included), {runs} processes", first.items())
 
-    bisection_table(args.bisection, 1 if args.quick else 3)
-
     if torch:
         print()
-        median = {name: statistics.median(s) for name, s in samples.items()}
         verdict("warm full vs torch slow mode, 1 thread (paired)",
-                paired_ratio(samples, full, "torch gradcheck (slow mode), 1 thread"), 50)
+                paired_ratio(samples, "torch gradcheck (slow mode), 1 thread", full), 50)
         verdict("warm full vs torch slow mode, default threads",
-                warm_default["torch slow"][0] / median[full], 50)
+                warm_default["torch slow"][0] / median(samples[full]), 50)
         for torch_kind in ("torch slow", "torch slow, 1 thread"):
             verdict(f"first call vs {torch_kind}'s first call",
-                    statistics.median(first[torch_kind]) / statistics.median(first["vjpkit"]), 1)
+                    median(first[torch_kind]) / median(first["vjpkit"]), 1)
         verdict("warm fast_mode vs torch fast_mode, 1 thread (paired)",
-                paired_ratio(samples, fast, "torch gradcheck fast_mode, 1 thread"), 1)
+                paired_ratio(samples, "torch gradcheck fast_mode, 1 thread", fast), 1)
         verdict("warm fast_mode vs torch fast_mode, default threads",
-                warm_default["torch fast_mode"][0] / median[fast], 1)
-
-
-def bisection_table(n_iter, runs):
-    """4.: first and warm call of each checker, each run in its own fresh process."""
-    rows = {}
-    for kind in BISECTION:
-        if kind.startswith("torch"):
-            try:
-                import torch  # noqa: F401
-            except ImportError:
-                continue
-        results = []
-        for _ in range(runs):
-            out = subprocess.run([sys.executable, __file__, "--bisection-call", kind, "--bisection", str(n_iter)],
-                                 capture_output=True, text=True, check=True, env=os.environ)
-            results.append([float(v) for v in out.stdout.split()[-2:]])
-        rows[kind] = results
-    print(f"\nentmax bisection, {n_iter} steps, 3x5 float64, gradcheck of the loop itself "
-          f"(each in a fresh process, {runs} processes; medians)")
-    print("| checker | first call s | warm call ms |")
-    print("|---|---:|---:|")
-    for kind, results in rows.items():
-        print(f"| {kind} | {statistics.median(r[0] for r in results):.2f} | "
-              f"{statistics.median(r[1] for r in results) * 1e3:.1f} |")
-    if len(rows) == 2:
-        ratio = statistics.median(r[0] for r in rows["vjpkit"]) / statistics.median(r[0] for r in rows[BISECTION[1]])
-        print(f"vjpkit first call / torch's: {ratio:.2f} (target <= 1: {'met' if ratio <= 1 else 'NOT met'})")
+                warm_default["torch fast_mode"][0] / median(samples[fast]), 1)
 
 
 if __name__ == "__main__":

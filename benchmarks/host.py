@@ -29,13 +29,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy loads its BLA
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import Candidate, median, print_table, time_interleaved
 
 import vjpkit
 
@@ -76,29 +75,12 @@ def cube_by_hand_bwd(x, g):
 cube_by_hand.defvjp(cube_by_hand_fwd, cube_by_hand_bwd)
 
 
-def time_interleaved(candidates, *, number, repeat):
-    """Median µs per call of each `(name, call)`; blocks on the last result of each repeat."""
-    samples = {name: [] for name, _ in candidates}
-    for name, call in candidates:  # warm up: compile, fill caches
-        for _ in range(max(5, number // 10)):
-            jax.block_until_ready(call())
-    for r in range(repeat):
-        k = r % len(candidates)
-        for name, call in candidates[k:] + candidates[:k]:
-            start = time.perf_counter()
-            for _ in range(number):
-                result = call()
-            jax.block_until_ready(result)
-            samples[name].append((time.perf_counter() - start) / number * 1e6)
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
-def print_table(title, medians, baseline):
-    print(f"\n{title}")
-    print(f"| {'candidate':<40} | {'median µs/call':>14} | {'vs jnp':>7} |")
-    print(f"|{'-' * 42}|{'-' * 15}:|{'-' * 8}:|")
-    for name, us in medians.items():
-        print(f"| {name:<40} | {us:>14.1f} | {us / medians[baseline]:>7.2f} |")
+def table(title, samples, baseline):
+    """Median µs per call, and each candidate's median over the baseline's."""
+    medians = {name: median(s) * 1e6 for name, s in samples.items()}
+    print_table(title, ["candidate", "median µs/call", "vs jnp"],
+                [(name, f"{us:.1f}", f"{us / medians[baseline]:.2f}") for name, us in medians.items()])
+    return medians
 
 
 def main():
@@ -112,7 +94,10 @@ def main():
 
     # --- 1. no work: the callback machinery -----------------------------------
     x = jnp.array([0.5, 1.0, 2.0], dtype=jnp.float32)
-    loss = lambda cube: (lambda x: (cube(x) * x).sum())
+
+    def loss(cube):
+        return lambda x: (cube(x) * x).sum()
+
     grads = {
         "jnp: jit(grad) of x**3": jax.jit(jax.grad(loss(lambda x: x**3))),
         "hand-written custom_vjp + pure_callback": jax.jit(jax.grad(loss(cube_by_hand))),
@@ -121,31 +106,36 @@ def main():
     for g in grads.values():
         np.testing.assert_allclose(g(x), grads["jnp: jit(grad) of x**3"](x), rtol=1e-6)
     number, repeat = (100, 7) if quick else (1000, 31)
-    cube = time_interleaved([(n, (lambda g=g: g(x))) for n, g in grads.items()], number=number, repeat=repeat)
-    print_table("1. jit(grad(sum(cube(x) * x))), 3-element float32", cube, "jnp: jit(grad) of x**3")
+    samples = time_interleaved([Candidate(n, lambda g=g: g(x)) for n, g in grads.items()],
+                               number=number, repeat=repeat, warmup=max(5, number // 10))
+    cube = table("1. jit(grad(sum(cube(x) * x))), 3-element float32", samples, "jnp: jit(grad) of x**3")
 
     # --- 2. real work: a 256 x 256 solve -------------------------------------
     rng = np.random.default_rng(0)
     n = 256
     A = jnp.asarray(rng.normal(size=(n, n)) + n**0.5 * np.eye(n), dtype=jnp.float32)
     b = jnp.asarray(rng.normal(size=n), dtype=jnp.float32)
-    loss2 = lambda solve: (lambda A, b: jnp.sum(solve(A, b) ** 2))
+
+    def loss2(solve):
+        return lambda A, b: jnp.sum(solve(A, b) ** 2)
+
     grads2 = {
         "jnp: jit(grad) of jnp.linalg.solve": jax.jit(jax.grad(loss2(jnp.linalg.solve), argnums=(0, 1))),
         "vjpkit host Solve": jax.jit(jax.grad(loss2(Solve.apply), argnums=(0, 1))),
     }
     ref = grads2["jnp: jit(grad) of jnp.linalg.solve"](A, b)
     for g in grads2.values():
-        for got, want in zip(g(A, b), ref):
+        for got, want in zip(g(A, b), ref, strict=True):
             np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-5)
     number, repeat = (10, 5) if quick else (50, 21)
-    solve = time_interleaved([(n_, (lambda g=g: g(A, b))) for n_, g in grads2.items()], number=number, repeat=repeat)
-    print_table(f"2. jit(grad(sum(solve(A, b)**2))), {n} x {n} float32", solve, "jnp: jit(grad) of jnp.linalg.solve")
+    samples = time_interleaved([Candidate(name, lambda g=g: g(A, b)) for name, g in grads2.items()],
+                               number=number, repeat=repeat, warmup=max(5, number // 10))
+    solve = table(f"2. jit(grad(sum(solve(A, b)**2))), {n} x {n} float32", samples,
+                  "jnp: jit(grad) of jnp.linalg.solve")
 
-    base = cube["jnp: jit(grad) of x**3"]
-    print(f"\ncallback cost per jitted grad call (host - jnp, no work): {cube['vjpkit host Function'] - base:.1f} µs "
-          f"(hand-written pure_callback: {cube['hand-written custom_vjp + pure_callback'] - base:.1f} µs); "
-          f"vjpkit / hand-written: {cube['vjpkit host Function'] / cube['hand-written custom_vjp + pure_callback']:.2f}")
+    base, by_hand, host = (cube[k] for k in grads)
+    print(f"\ncallback cost per jitted grad call (host - jnp, no work): {host - base:.1f} µs "
+          f"(hand-written pure_callback: {by_hand - base:.1f} µs); vjpkit / hand-written: {host / by_hand:.2f}")
     print(f"solve {n}: host / jnp = {solve['vjpkit host Solve'] / solve['jnp: jit(grad) of jnp.linalg.solve']:.2f}")
 
 

@@ -19,12 +19,11 @@ residuals and backward. Compared:
 import argparse
 import collections
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import Candidate, median, paired_ratio, print_table, time_interleaved
 
 import vjpkit
 
@@ -119,7 +118,7 @@ def make_step(linear, relu, learning_rate=1e-2):
 
 def init_params(key, sizes):
     params = []
-    for fan_in, fan_out, k in zip(sizes[:-1], sizes[1:], jax.random.split(key, len(sizes) - 1)):
+    for fan_in, fan_out, k in zip(sizes[:-1], sizes[1:], jax.random.split(key, len(sizes) - 1), strict=True):
         w = jax.random.normal(k, (fan_out, fan_in), jnp.float32) / np.sqrt(fan_in)
         params.append((w, jnp.zeros((fan_out,), jnp.float32)))
     return params
@@ -140,33 +139,8 @@ def hlo_instructions(hlo_text):
 
 def hlo_opcodes(instructions):
     """Counter of opcodes over `instructions`."""
-    return collections.Counter(op.group(1) for line in instructions if (op := HLO_OPCODE.search(line, line.index("=") + 1)))
-
-
-def time_interleaved(steps, args, *, number, repeat):
-    samples = {name: [] for name in steps}
-    for step in steps.values():
-        jax.block_until_ready(step(*args))
-    order = list(steps.items())
-    for r in range(repeat):
-        # Rotate the order every repeat: whoever runs first after a switch pays for cold caches.
-        for name, step in order[r % len(order):] + order[:r % len(order)]:
-            start = time.perf_counter()
-            for _ in range(number):
-                out = step(*args)
-            jax.block_until_ready(out)
-            samples[name].append((time.perf_counter() - start) / number * 1e6)
-    return samples
-
-
-def paired_ratio(samples, name, baseline):
-    """Median over repeats of name's time / baseline's time in the same repeat.
-
-    Both ran back to back, so load that comes and goes (other processes on
-    the machine) cancels out of each ratio; a ratio of two medians can be
-    off by 10% on a busy machine even for two copies of the same program.
-    """
-    return statistics.median(a / b for a, b in zip(samples[name], samples[baseline]))
+    matches = (HLO_OPCODE.search(line, line.index("=") + 1) for line in instructions)
+    return collections.Counter(op.group(1) for op in matches if op)
 
 
 def main():
@@ -194,23 +168,21 @@ def main():
     ref_name, got_name, control_name = steps
     (p_ref, v_ref), (p_got, v_got) = (steps[name](params, x, labels) for name in (ref_name, got_name))
     np.testing.assert_allclose(v_got, v_ref, rtol=1e-6)
-    for got, ref in zip(jax.tree.leaves(p_got), jax.tree.leaves(p_ref)):
+    for got, ref in zip(jax.tree.leaves(p_got), jax.tree.leaves(p_ref), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
-    optimized = {name: hlo_instructions(step.lower(params, x, labels).compile().as_text()) for name, step in steps.items()}
-    unoptimized = {name: hlo_instructions(step.lower(params, x, labels).as_text(dialect="hlo")) for name, step in steps.items()}
+    lowered = {name: step.lower(params, x, labels) for name, step in steps.items()}
+    optimized = {name: hlo_instructions(low.compile().as_text()) for name, low in lowered.items()}
+    unoptimized = {name: hlo_instructions(low.as_text(dialect="hlo")) for name, low in lowered.items()}
     opcodes = {name: hlo_opcodes(optimized[name]) for name in steps}
-    samples = time_interleaved(steps, (params, x, labels), number=number, repeat=repeat)
-    medians = {name: statistics.median(s) for name, s in samples.items()}
-    floors = {name: min(s) for name, s in samples.items()}
+    candidates = [Candidate(name, lambda step=step: step(params, x, labels)) for name, step in steps.items()]
+    samples = time_interleaved(candidates, number=number, repeat=repeat)
     ratios = {name: paired_ratio(samples, name, ref_name) for name in steps}
 
-    print(f"\n| {'training step':<28} | {'optimized HLO instructions':>26} | {'unoptimized HLO':>15} "
-          f"| {'median µs/step':>14} | {'min µs/step':>11} | {'ratio':>5} |")
-    print(f"|{'-' * 30}|{'-' * 27}:|{'-' * 16}:|{'-' * 15}:|{'-' * 12}:|{'-' * 6}:|")
-    for name in steps:
-        print(f"| {name:<28} | {len(optimized[name]):>26} | {len(unoptimized[name]):>15} "
-              f"| {medians[name]:>14.1f} | {floors[name]:>11.1f} | {ratios[name]:>5.3f} |")
+    print_table(None, ["training step", "optimized HLO instructions", "unoptimized HLO", "median µs/step",
+                       "min µs/step", "ratio"],
+                [(name, len(optimized[name]), len(unoptimized[name]), f"{median(samples[name]) * 1e6:.1f}",
+                  f"{min(samples[name]) * 1e6:.1f}", f"{ratios[name]:.3f}") for name in steps])
     print("(ratio: median over repeats of the step time / the hand-written step time in the same repeat)")
 
     same_hlo = opcodes[got_name] == opcodes[ref_name]
@@ -221,7 +193,8 @@ def main():
         diff = (opcodes[got_name] - opcodes[ref_name]) + (opcodes[ref_name] - opcodes[got_name])
         for op in sorted(diff):
             print(f"  {op}: vjpkit {opcodes[got_name][op]}, hand-written {opcodes[ref_name][op]}")
-    print(f"step time vjpkit / hand-written: {ratio:.3f}  (target <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}; "
+    verdict = "met" if ratio <= 1.05 else "NOT met"
+    print(f"step time vjpkit / hand-written: {ratio:.3f}  (target <= 1.05: {verdict}; "
           f"A/A control: {ratios[control_name]:.3f})")
     if not same_hlo:
         raise SystemExit(1)

@@ -9,28 +9,21 @@
    dispatch. Target: vjpkit / hand-written <= 1.2.
 2. A jitted gradient step, `jax.jit(jax.grad(loss))`, against torch's
    forward + backward of the same Function.
-3. Every call path of `apply` (keywords, NumPy inputs, static scalars,
-   parameters left to their defaults, pytrees of arrays, a mix; 1, 10 and 100
-   array arguments), each against the hand-written `jax.jit(jax.custom_vjp)`
-   called the same way (static arguments through `static_argnums`), with its
-   own A/A row (a second copy of the hand-written one). Target: each ratio
-   <= 1.2.
 
 All candidates run in one process, interleaved repeat by repeat in a rotating
 order (so drift and cache effects hit all of them alike); each repeat times `number` back-to-back calls and
-blocks once at the end. Printed: the median and the minimum over repeats, in
-µs per call, and each ratio as the median of per-repeat ratios (robust to
-load from other processes; see `paired_ratio`).
+blocks once at the end (benchmarks/_timing.py). Printed: the median and the
+minimum over repeats, in µs per call, and each ratio as the median of
+per-repeat ratios (robust to load from other processes).
 """
 
 import argparse
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import Candidate, median, no_wait, paired_ratio, print_table, time_interleaved
 
 import vjpkit
 
@@ -85,59 +78,23 @@ if torch is not None:
             return g * y
 
 
-def time_interleaved(candidates, *, number, repeat):
-    """Per-call µs of each `(name, call, sync)`, one sample per repeat; `sync` blocks on the last result."""
-    samples = {name: [] for name, _, _ in candidates}
-    for _, call, sync in candidates:  # warm up: compile, fill caches
-        for _ in range(max(10, number // 10)):
-            sync(call())
-    for r in range(repeat):
-        # Rotate the order every repeat: whoever runs first after a switch pays for cold caches.
-        for name, call, sync in candidates[r % len(candidates):] + candidates[:r % len(candidates)]:
-            start = time.perf_counter()
-            for _ in range(number):
-                result = call()
-            sync(result)
-            samples[name].append((time.perf_counter() - start) / number * 1e6)
-    return samples
-
-
-def paired_ratio(samples, name, baseline):
-    """Median over repeats of name's time / baseline's time in the same repeat.
-
-    Both ran back to back, so load that comes and goes (other processes on
-    the machine) cancels out of each ratio; a ratio of two medians can be
-    off by 10% on a busy machine even for two copies of the same program.
-    """
-    return statistics.median(a / b for a, b in zip(samples[name], samples[baseline], strict=True))
-
-
-def print_table(title, samples, baseline):
-    print(f"\n{title} (ratio: median of per-repeat ratios to {baseline})")
-    print(f"| {'candidate':<44} | {'median µs/call':>14} | {'min µs/call':>11} | {'ratio':>5} |")
-    print(f"|{'-' * 46}|{'-' * 15}:|{'-' * 12}:|{'-' * 6}:|")
-    for name, s in samples.items():
-        print(f"| {name:<44} | {statistics.median(s):>14.2f} | {min(s):>11.2f} "
-              f"| {paired_ratio(samples, name, baseline):>5.2f} |")
-
-
-def noop(_):
-    pass
+def table(title, samples, baseline):
+    """Median and minimum µs per call, and each candidate's paired ratio to ``baseline``."""
+    rows = [(name, f"{median(s) * 1e6:.2f}", f"{min(s) * 1e6:.2f}", f"{paired_ratio(samples, name, baseline):.2f}")
+            for name, s in samples.items()]
+    print_table(f"{title} (ratio: median of per-repeat ratios to {baseline})",
+                ["candidate", "median µs/call", "min µs/call", "ratio"], rows)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, for a smoke run")
-    parser.add_argument("--paths", action="store_true", help="only the table of call paths (3.)")
     args = parser.parse_args()
     number, repeat = (200, 21) if args.quick else (500, 201)
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, python {platform.python_version()}"
           + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch else ", torch not installed"))
     print(f"{repeat} repeats of {number} calls each")
-    if args.paths:
-        call_path_table(number, repeat)
-        return
 
     # --- 1. eager forward-only ---------------------------------------------
     x = jnp.array([0.0, 0.5, 1.0], dtype=jnp.float32)
@@ -146,23 +103,23 @@ def main():
     np.testing.assert_allclose(Exp.apply(x), exp_by_hand_jit(x), rtol=1e-6)
 
     candidates = [
-        ("hand-written jax.jit(jax.custom_vjp)", lambda: exp_by_hand_jit(x), jax.block_until_ready),
-        ("vjpkit Exp.apply", lambda: Exp.apply(x), jax.block_until_ready),
-        ("hand-written, second copy (A/A control)", lambda: exp_by_hand_jit_copy(x), jax.block_until_ready),
+        Candidate("hand-written jax.jit(jax.custom_vjp)", lambda: exp_by_hand_jit(x)),
+        Candidate("vjpkit Exp.apply", lambda: Exp.apply(x)),
+        Candidate("hand-written, second copy (A/A control)", lambda: exp_by_hand_jit_copy(x)),
     ]
     if torch is not None:
         tx = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float32)
         tx_req = tx.clone().requires_grad_(True)
         candidates += [
-            ("torch Function.apply", lambda: TorchExp.apply(tx), noop),
-            ("torch Function.apply (requires_grad input)", lambda: TorchExp.apply(tx_req), noop),
+            Candidate("torch Function.apply", lambda: TorchExp.apply(tx), no_wait),
+            Candidate("torch Function.apply (requires_grad input)", lambda: TorchExp.apply(tx_req), no_wait),
         ]
-    baseline = candidates[0][0]
-    forward = time_interleaved(candidates, number=number, repeat=repeat)
-    print_table("Eager forward, 3-element float32 Exp", forward, baseline)
+    baseline = candidates[0].name
+    forward = time_interleaved(candidates, number=number, repeat=repeat, warmup=max(10, number // 10))
+    table("Eager forward, 3-element float32 Exp", forward, baseline)
     ratio = paired_ratio(forward, "vjpkit Exp.apply", baseline)
-    print(f"\nvjpkit / hand-written (eager forward): {ratio:.3f}  "
-          f"(target <= 1.2: {'met' if ratio <= 1.2 else 'NOT met'})")
+    verdict = "met" if ratio <= 1.2 else "NOT met"
+    print(f"\nvjpkit / hand-written (eager forward): {ratio:.3f}  (target <= 1.2: {verdict})")
 
     # --- 2. jitted gradient step -------------------------------------------
     def loss(exp):
@@ -172,8 +129,8 @@ def main():
     grad_by_hand = jax.jit(jax.grad(loss(exp_by_hand)))
     np.testing.assert_allclose(grad_vjpkit(x), grad_by_hand(x), rtol=1e-6)
     candidates = [
-        ("hand-written jax.jit(jax.grad(loss))", lambda: grad_by_hand(x), jax.block_until_ready),
-        ("vjpkit jax.jit(jax.grad(loss))", lambda: grad_vjpkit(x), jax.block_until_ready),
+        Candidate("hand-written jax.jit(jax.grad(loss))", lambda: grad_by_hand(x)),
+        Candidate("vjpkit jax.jit(jax.grad(loss))", lambda: grad_vjpkit(x)),
     ]
     if torch is not None:
         tx_req = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float32, requires_grad=True)
@@ -184,198 +141,15 @@ def main():
             return tx_req.grad
 
         np.testing.assert_allclose(torch_step().numpy(), np.asarray(grad_vjpkit(x)), rtol=1e-6)
-        candidates.append(("torch forward + backward", torch_step, noop))
-    baseline = candidates[0][0]
-    step = time_interleaved(candidates, number=number // 2, repeat=repeat)
-    print_table("Gradient step, loss = sum(exp(x) * x), 3-element float32", step, baseline)
+        candidates.append(Candidate("torch forward + backward", torch_step, no_wait))
+    baseline = candidates[0].name
+    step = time_interleaved(candidates, number=number // 2, repeat=repeat, warmup=max(10, number // 20))
+    table("Gradient step, loss = sum(exp(x) * x), 3-element float32", step, baseline)
     ratio = paired_ratio(step, "vjpkit jax.jit(jax.grad(loss))", baseline)
     print(f"\nvjpkit / hand-written (jitted grad step): {ratio:.3f}")
     if torch is not None:
         print(f"vjpkit jitted grad step / torch forward+backward: "
               f"{paired_ratio(step, 'vjpkit jax.jit(jax.grad(loss))', 'torch forward + backward'):.3f}")
-
-    # --- 3. every call path --------------------------------------------------
-    call_path_table(number, repeat)
-
-
-# ---------------------------------------------------------------------------
-# 3. Every call path of apply, against the same call of a hand-written jit.
-
-
-class MulConstant(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x, c):
-        ctx.c = c
-        return x * c
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.c, None
-
-
-class Linear(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x, w, b=None):
-        ctx.save_for_backward(x, w)
-        y = x @ w.T
-        return y if b is None else y + b
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g @ w, g.T @ x, None if ctx.needs_input_grad[2] is False else g.sum(0)
-
-
-class Affine(vjpkit.Function):
-    """A pytree of parameters, a keyword-only static scale and a default."""
-
-    @staticmethod
-    def forward(ctx, params, x, *, scale=1.0, shift=None):
-        ctx.save_for_backward(params["w"], x)
-        ctx.scale = scale
-        y = scale * (x @ params["w"].T + params["b"])
-        return y if shift is None else y + shift
-
-    @staticmethod
-    def backward(ctx, g):
-        w, x = ctx.saved_tensors
-        g = ctx.scale * g
-        return {"w": g.T @ x, "b": g.sum(0)}, g @ w
-
-
-class Sum(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, *xs):
-        ctx.n = len(xs)
-        out = xs[0]
-        for x in xs[1:]:
-            out = out + x
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return (g,) * ctx.n
-
-
-def _custom_vjp(fun, fwd, bwd, nondiff_argnums=()):
-    f = jax.custom_vjp(fun, nondiff_argnums=nondiff_argnums)
-    f.defvjp(fwd, bwd)
-    return f
-
-
-mul_by_hand = _custom_vjp(
-    lambda x, c: x * c, lambda x, c: (x * c, None), lambda c, _, g: (g * c,), nondiff_argnums=(1,)
-)
-
-
-def _linear(x, w, b=None):
-    y = x @ w.T
-    return y if b is None else y + b
-
-
-def _linear_bwd(res, g):
-    x, w, has_b = res
-    return g @ w, g.T @ x, g.sum(0) if has_b else None
-
-
-linear_by_hand = _custom_vjp(_linear, lambda x, w, b=None: (_linear(x, w, b), (x, w, b is not None)), _linear_bwd)
-
-
-def _affine(params, x, scale=1.0, shift=None):
-    y = scale * (x @ params["w"].T + params["b"])
-    return y if shift is None else y + shift
-
-
-def _affine_bwd(scale, res, g):
-    w, x = res
-    g = scale * g
-    return {"w": g.T @ x, "b": g.sum(0)}, g @ w, None
-
-
-affine_by_hand = _custom_vjp(
-    lambda params, x, scale, shift: _affine(params, x, scale, shift),
-    lambda params, x, scale, shift: (_affine(params, x, scale, shift), (params["w"], x)),
-    _affine_bwd,
-    nondiff_argnums=(2,),
-)
-
-
-def _sum(*xs):
-    out = xs[0]
-    for x in xs[1:]:
-        out = out + x
-    return out
-
-
-sum_by_hand = _custom_vjp(_sum, lambda *xs: (_sum(*xs), len(xs)), lambda n, g: (g,) * n)
-
-
-def call_paths():
-    """Per row: the path, the vjpkit call, ``make_jit(jit)`` -> the hand-written jit, ``call(f)`` -> its call."""
-    x = jnp.array([0.0, 0.5, 1.0], dtype=jnp.float32)
-    np_x = np.asarray(x)
-    a = jnp.ones((4, 3), jnp.float32)
-    w = jnp.ones((2, 3), jnp.float32)
-    b = jnp.ones(2, jnp.float32)
-    params = {"w": w, "b": b}
-
-    np_a = np.asarray(a)
-
-    def exp(make):
-        return make(exp_by_hand)
-
-    def affine_jit(make):
-        return make(lambda params, x, scale=1.0, shift=None: affine_by_hand(params, x, scale, shift),
-                    static_argnames="scale")
-
-    rows = [
-        ("Exp.apply(x)", lambda: Exp.apply(x), exp, lambda f: lambda: f(x)),
-        ("Exp.apply(x=x) keyword", lambda: Exp.apply(x=x), exp, lambda f: lambda: f(x=x)),
-        ("Exp.apply(np_x) NumPy input", lambda: Exp.apply(np_x), exp, lambda f: lambda: f(np_x)),
-        ("MulConstant.apply(x, 2.0) static scalar", lambda: MulConstant.apply(x, 2.0),
-         lambda make: make(mul_by_hand, static_argnums=1), lambda f: lambda: f(x, 2.0)),
-        ("Linear.apply(a, w, b)", lambda: Linear.apply(a, w, b),
-         lambda make: make(linear_by_hand), lambda f: lambda: f(a, w, b)),
-        ("Linear.apply(a, w) (b=None default)", lambda: Linear.apply(a, w),
-         lambda make: make(linear_by_hand), lambda f: lambda: f(a, w)),
-        ("Affine.apply({w, b}, a) pytree, defaults", lambda: Affine.apply(params, a),
-         affine_jit, lambda f: lambda: f(params, a)),
-        ("Affine.apply({w, b}, np_a, scale=2.0, shift=b) mix",
-         lambda: Affine.apply(params, np_a, scale=2.0, shift=b),
-         affine_jit, lambda f: lambda: f(params, np_a, scale=2.0, shift=b)),
-    ]
-    for n in (1, 10, 100):
-        xs = tuple(x + i for i in range(n))
-        rows.append((f"Sum.apply(*xs), {n} array argument{'s' if n > 1 else ''}", lambda xs=xs: Sum.apply(*xs),
-                     lambda make: make(sum_by_hand), lambda f, xs=xs: lambda: f(*xs)))
-    return rows
-
-
-def call_path_table(number, repeat):
-    """One group of three candidates per path: hand-written, vjpkit, A/A copy; returns the ratios."""
-    print(f"\nEvery call path of apply, eager, against the same call of a hand-written jax.jit(jax.custom_vjp) "
-          f"(µs per call, medians over {repeat} repeats; ratio: median of per-repeat ratios)")
-    print("| call | vjpkit µs | hand-written µs | ratio | A/A ratio |")
-    print("|---|---:|---:|---:|---:|")
-    ratios = {}
-    for path, vjpkit_call, make_jit, call_by_hand in call_paths():
-        by_hand, copy = make_jit(jax.jit), make_jit(jax.jit)
-        np.testing.assert_allclose(vjpkit_call(), call_by_hand(by_hand)(), rtol=1e-6)
-        candidates = [
-            ("hand-written", call_by_hand(by_hand), jax.block_until_ready),
-            ("vjpkit", vjpkit_call, jax.block_until_ready),
-            ("A/A", call_by_hand(copy), jax.block_until_ready),
-        ]
-        n = max(10, number // 5) if "100 array" in path else number
-        samples = time_interleaved(candidates, number=n, repeat=repeat)
-        ratio = ratios[path] = paired_ratio(samples, "vjpkit", "hand-written")
-        print(f"| `{path}` | {statistics.median(samples['vjpkit']):.2f} | "
-              f"{statistics.median(samples['hand-written']):.2f} | {ratio:.2f} | "
-              f"{paired_ratio(samples, 'A/A', 'hand-written'):.2f} |")
-    worst = max(ratios, key=ratios.get)
-    print(f"\nworst call path: {worst} at {ratios[worst]:.3f} "
-          f"(target <= 1.2: {'met' if ratios[worst] <= 1.2 else 'NOT met'})")
-    return ratios
 
 
 if __name__ == "__main__":

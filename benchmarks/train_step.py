@@ -16,20 +16,20 @@ examples/train_mlp.py, written three ways:
 Each time is the median of one step. The two JAX versions take turns, one
 step at a time, and their ratio is the median of the ratios of neighbouring
 steps, which stays steady when other processes load the machine; PyTorch
-runs after them. Targets: vjpkit / autodiff <= 1.05 (the jitted programs
+runs after them (benchmarks/_timing.py). Targets: vjpkit / autodiff <= 1.05 (the jitted programs
 should be the same), and vjpkit faster than PyTorch eager.
 """
 
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _timing import Candidate, median, no_wait, paired_ratio, print_table, time_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from train_mlp import init_params, make_train_step  # noqa: E402
@@ -126,22 +126,12 @@ def torch_stepper(params, x, y):
 
 
 def step_times(steppers, steps):
-    """Seconds of each of ``steps`` steps, per stepper.
+    """Seconds of each of ``steps`` steps, per stepper, taking turns one step at a time.
 
-    The steppers take turns one step at a time, in alternating order, so that
-    load from other processes and frequency changes fall on all of them alike.
+    Each stepper waits for its own step, so there is nothing left to wait for.
     """
-    times = {name: [] for name in steppers}
-    for step in steppers.values():  # compile and warm up
-        for _ in range(3):
-            step()
-    order = list(steppers.items())
-    for i in range(steps):
-        for name, step in order if i % 2 else order[::-1]:
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    return {name: np.array(t) for name, t in times.items()}
+    candidates = [Candidate(name, step, no_wait) for name, step in steppers.items()]
+    return time_interleaved(candidates, repeat=steps, warmup=3)
 
 
 def bench_model(batch, sizes, steps):
@@ -159,8 +149,8 @@ def bench_model(batch, sizes, steps):
         times.update(step_times({"pytorch": torch_stepper(params, x, y)}, steps))
     except ImportError:
         pass
-    medians = {name: float(np.median(t)) for name, t in times.items()}
-    return medians, float(np.median(times["vjpkit"] / times["autodiff"]))
+    medians = {name: median(t) for name, t in times.items()}
+    return medians, paired_ratio(times, "vjpkit", "autodiff")
 
 
 def main():
@@ -172,14 +162,13 @@ def main():
     device = jax.devices()[0]
     print(f"device: {device.platform} ({device.device_kind}), {os.cpu_count()} CPU cores, "
           f"median of {steps} steps each")
-    print(f"{'model':<22}{'batch':>6}{'vjpkit':>11}{'autodiff':>11}{'pytorch':>11}"
-          f"{'vjpkit/autodiff':>17}{'pytorch/vjpkit':>16}")
+    rows = []
     for name, batch, sizes in MODELS:
-        t, paired_ratio = bench_model(batch, sizes, steps)
-        us = lambda key: f"{t[key] * 1e6:8.0f} us" if key in t else f"{'-':>11}"  # noqa: E731
-        torch_ratio = f"{t['pytorch'] / t['vjpkit']:16.2f}" if "pytorch" in t else f"{'-':>16}"
-        print(f"{name:<22}{batch:>6}{us('vjpkit')}{us('autodiff')}{us('pytorch')}"
-              f"{paired_ratio:17.3f}{torch_ratio}")
+        t, ratio = bench_model(batch, sizes, steps)
+        per_step = (f"{t[key] * 1e6:.0f} us" if key in t else "-" for key in ("vjpkit", "autodiff", "pytorch"))
+        torch_ratio = f"{t['pytorch'] / t['vjpkit']:.2f}" if "pytorch" in t else "-"
+        rows.append((name, batch, *per_step, f"{ratio:.3f}", torch_ratio))
+    print_table(None, ["model", "batch", "vjpkit", "autodiff", "pytorch", "vjpkit/autodiff", "pytorch/vjpkit"], rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-
 from layers import linear, relu
 
 
@@ -40,7 +39,7 @@ class MLP(eqx.Module):
 
     def __init__(self, sizes, *, key):
         keys = jax.random.split(key, len(sizes) - 1)
-        self.layers = [Linear(i, o, key=k) for i, o, k in zip(sizes[:-1], sizes[1:], keys)]
+        self.layers = [Linear(i, o, key=k) for i, o, k in zip(sizes[:-1], sizes[1:], keys, strict=True)]
 
     def __call__(self, x):
         *hidden, last = self.layers

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-
 from layers import linear, relu
 
 
@@ -36,7 +35,7 @@ class Linear(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, sizes, *, rngs):
-        self.layers = nnx.List(Linear(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:]))
+        self.layers = nnx.List(Linear(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:], strict=True))
 
     def __call__(self, x):
         *hidden, last = self.layers

@@ -13,6 +13,8 @@ the image, the alpha gradient still has a slot in backward:
 Either way the gradients are the same as JAX's own for the plain math.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,13 +75,11 @@ def main():
         return ((image - target) ** 2).mean() + alpha.mean()
 
     for materialize in (True, False):
-        def composite(rgb, logits):
-            return Composite(rgb, logits, materialize=materialize)
-
+        composite = functools.partial(Composite, materialize=materialize)
         for loss in (image_loss, image_and_alpha_loss):
-            grad = jax.jit(jax.grad(lambda r, l: loss(composite, r, l), argnums=(0, 1)))
+            grad = jax.jit(jax.grad(functools.partial(loss, composite), argnums=(0, 1)))
             g_rgb, g_logits = grad(rgb, logits)
-            e_rgb, e_logits = jax.grad(lambda r, l: loss(composite_reference, r, l), argnums=(0, 1))(rgb, logits)
+            e_rgb, e_logits = jax.grad(functools.partial(loss, composite_reference), argnums=(0, 1))(rgb, logits)
             np.testing.assert_allclose(g_rgb, e_rgb, rtol=1e-5, atol=1e-7)
             np.testing.assert_allclose(g_logits, e_logits, rtol=1e-5, atol=1e-7)
 

@@ -64,7 +64,7 @@ def main():
     # All three gradients.
     got = jax.grad(lambda *a: loss(linear, *a), argnums=(0, 1, 2))(x, w, b)
     expected = jax.grad(lambda *a: loss(linear_reference, *a), argnums=(0, 1, 2))(x, w, b)
-    for name, g, e in zip(("x", "weight", "bias"), got, expected):
+    for name, g, e in zip(("x", "weight", "bias"), got, expected, strict=True):
         print(f"d loss / d {name}:\n", np.asarray(g))
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 

@@ -26,9 +26,9 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
+from layers import softmax_cross_entropy
 
 import vjpkit
-from layers import softmax_cross_entropy
 
 
 class LinearCrossEntropy(vjpkit.Function):
@@ -127,7 +127,7 @@ def check_same_gradients(seed=0):
     labels = jnp.asarray(rng.integers(0, 8192, size=64), jnp.int32)
     expected = jax.grad(HEADS["plain autodiff"], argnums=(0, 1))(h, w, labels)
     for loss in HEADS.values():
-        for got, want in zip(jax.grad(loss, argnums=(0, 1))(h, w, labels), expected):
+        for got, want in zip(jax.grad(loss, argnums=(0, 1))(h, w, labels), expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 

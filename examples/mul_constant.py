@@ -36,8 +36,8 @@ def main():
     np.testing.assert_allclose(MulConstant.apply(x, constant=0.5), x * 0.5)
 
     for c in (3.0, 0.5, -1.0):
-        g = jax.grad(lambda x: (MulConstant.apply(x, c) ** 2).sum())(x)
-        expected = jax.grad(lambda x: ((x * c) ** 2).sum())(x)
+        g = jax.grad(lambda x, c=c: (MulConstant.apply(x, c) ** 2).sum())(x)
+        expected = jax.grad(lambda x, c=c: ((x * c) ** 2).sum())(x)
         print(f"grad, constant={c:<5}", g)
         np.testing.assert_allclose(g, expected)
 

@@ -68,7 +68,9 @@ def main():
     np.testing.assert_allclose(per_row, reference, rtol=1e-6)
 
     # A loss over the batch, differentiated as a whole.
-    loss = lambda rows: jnp.sum(jax.vmap(lambda r: TrimmedMean(r, 2))(rows) ** 2)
+    def loss(rows):
+        return jnp.sum(jax.vmap(lambda r: TrimmedMean(r, 2))(rows) ** 2)
+
     np.testing.assert_allclose(
         jax.grad(loss)(rows),
         jax.grad(lambda rows: jnp.sum(trimmed_mean_jnp(rows, 2) ** 2))(rows),

@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from layers import gradcheck_layers, linear, relu, softmax_cross_entropy
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
-
-from layers import gradcheck_layers, linear, relu, softmax_cross_entropy
 
 SIZES = (64, 128, 128, 10)
 
@@ -40,7 +39,7 @@ def load_data(seed=0):
 def init_params(key, sizes=SIZES):
     """One ``(w, b)`` per layer; ``w`` is ``(out, in)`` as in ``torch.nn.Linear``."""
     params = []
-    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+    for n_in, n_out in zip(sizes[:-1], sizes[1:], strict=True):
         key, sub = jax.random.split(key)
         bound = 1.0 / np.sqrt(n_in)
         w = jax.random.uniform(sub, (n_out, n_in), minval=-bound, maxval=bound)

@@ -32,7 +32,6 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-
 from train_mlp import batches, init_params, load_data, make_train_step
 
 # The final losses of the two runs differ only by float rounding (the

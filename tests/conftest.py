@@ -1,14 +1,24 @@
-"""Shared pytest configuration: hypothesis profiles.
+"""Shared pytest configuration: hypothesis profiles, the thorough-only tests,
+and CI's rule that no test may skip.
 
 ``default`` keeps the property-based tests (tests/test_properties.py) within
 CI's time budget: a fixed number of derandomized examples, so CI runs are
-reproducible. ``thorough`` runs at least 10,000 examples of each property:
+reproducible. ``thorough`` runs at least 10,000 examples of each property,
+and the tests marked ``@pytest.mark.thorough`` (slow ones whose point the
+default run already proves on a smaller scale):
 
     VJPKIT_HYPOTHESIS_PROFILE=thorough python -m pytest tests/test_properties.py
+
+With ``CI=true`` (CI sets it), a skipped test fails instead: CI installs every
+optional dependency (torch, equinox, flax, ...), so a skip there means a test
+silently did not run. Only two kinds of skip are expected, recognised by
+their reason's first words (``ALLOWED_SKIPS_IN_CI``): the thorough-only tests,
+and features that an older JAX lacks (the floor-JAX run).
 """
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # JAX compiles on first use of a program: per-example times vary by orders of
@@ -17,4 +27,45 @@ _JAX = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCh
 
 settings.register_profile("default", max_examples=150, derandomize=True, print_blob=True, **_JAX)
 settings.register_profile("thorough", max_examples=10_000, print_blob=True, **_JAX)
-settings.load_profile(os.environ.get("VJPKIT_HYPOTHESIS_PROFILE", "default"))
+PROFILE = os.environ.get("VJPKIT_HYPOTHESIS_PROFILE", "default")
+settings.load_profile(PROFILE)
+
+THOROUGH_ONLY = "thorough profile only: runs with VJPKIT_HYPOTHESIS_PROFILE=thorough"
+ALLOWED_SKIPS_IN_CI = (THOROUGH_ONLY, "this JAX lacks")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"thorough: {THOROUGH_ONLY}")
+
+
+def pytest_collection_modifyitems(config, items):
+    if PROFILE == "thorough":
+        return
+    for item in items:
+        if item.get_closest_marker("thorough"):
+            item.add_marker(pytest.mark.skip(reason=THOROUGH_ONLY))
+
+
+def _fail_unexpected_skip(report):
+    """In CI, turns a skip whose reason is not allowed into a failure that names the reason."""
+    if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if not reason.startswith(ALLOWED_SKIPS_IN_CI):
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where every test must run: {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _fail_unexpected_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _fail_unexpected_skip(report)
+    return report

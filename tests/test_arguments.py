@@ -1,22 +1,26 @@
 """Arguments and outputs: what is traced, what is static, and how backward's
-arguments and results line up with forward's (design.md, "Arguments" and
-"Outputs and backward's arguments").
+arguments and results line up with forward's.
 
 Expected values are written out or come from `jax.grad` of the same math in
 plain `jnp`.
 """
 
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vjpkit
+from vjpkit._args import Signature
 
 X = jnp.array([0.5, -1.0, 2.0])
 W = jnp.array([1.5, 2.0, -0.5])
+ZEROS = jnp.zeros(3)
 
 
 # ---------------------------------------------------------------------------
@@ -58,8 +62,8 @@ def test_string_argument_selects_code_in_forward():
 
     for kind, fn in (("tanh", jnp.tanh), ("sin", jnp.sin)):
         chex.assert_trees_all_close(Activate.apply(X, kind), fn(X))
-        expected = jax.grad(lambda x: fn(x).sum())(X)
-        chex.assert_trees_all_close(jax.grad(lambda x: Activate.apply(x, kind).sum())(X), expected)
+        expected = jax.grad(lambda x, fn=fn: fn(x).sum())(X)
+        chex.assert_trees_all_close(jax.grad(lambda x, kind=kind: Activate.apply(x, kind).sum())(X), expected)
 
 
 def test_none_argument_is_static():
@@ -161,7 +165,7 @@ def test_traced_scalar_via_jnp_asarray_gets_a_gradient():
 def _affine():
     class Affine(vjpkit.Function):
         @staticmethod
-        def forward(ctx, x, w, b=jnp.zeros(3), *, scale=1.0):
+        def forward(ctx, x, w, b=ZEROS, *, scale=1.0):
             ctx.save_for_backward(x, w)
             ctx.scale = scale
             return (x * w + b) * scale
@@ -253,6 +257,69 @@ def test_keyword_only_array_gets_its_gradient_after_varargs():
     got = jax.grad(lambda x, w, z: Combine.apply(x, z, w=w).sum(), argnums=(0, 1, 2))(X, W, z)
     expected = jax.grad(lambda x, w, z: (x * w * 2.0 + z).sum(), argnums=(0, 1, 2))(X, W, z)
     chex.assert_trees_all_close(got, expected)
+
+
+# The binder on apply's per-call path is hand-written for speed; Python's own
+# inspect.Signature.bind is the reference it must agree with, call for call.
+_POSITIONAL_KINDS = st.sampled_from([inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD])
+
+
+@st.composite
+def _signatures(draw):
+    """Parameters p0, p1, ...: positional-only, then positional-or-keyword, an optional *rest, then
+    keyword-only; positional defaults form a suffix, keyword-only ones come in any pattern."""
+    kinds = sorted(draw(st.lists(_POSITIONAL_KINDS, max_size=4)))
+    first_default = draw(st.integers(0, len(kinds)))
+    params = [
+        inspect.Parameter(f"p{i}", kind, default=f"default{i}" if i >= first_default else inspect.Parameter.empty)
+        for i, kind in enumerate(kinds)
+    ]
+    if draw(st.booleans()):
+        params.append(inspect.Parameter("rest", inspect.Parameter.VAR_POSITIONAL))
+    for i in range(len(kinds), len(kinds) + draw(st.integers(0, 3))):
+        default = f"default{i}" if draw(st.booleans()) else inspect.Parameter.empty
+        params.append(inspect.Parameter(f"p{i}", inspect.Parameter.KEYWORD_ONLY, default=default))
+    return inspect.Signature(params)
+
+
+@st.composite
+def _calls(draw, signature):
+    """Positional values, then keywords: parameter names (any kind, even positional-only) or unknown ones."""
+    n_args = draw(st.integers(0, len(signature.parameters) + 2))
+    names = st.sampled_from([*signature.parameters, "unknown"])
+    keywords = draw(st.lists(names, unique=True, max_size=4))
+    args = tuple(f"arg{i}" for i in range(n_args))
+    return args, {name: f"kw_{name}" for name in keywords}
+
+
+def _bind_like_python(signature, args, kwargs):
+    """inspect's binding, in vjpkit's order: positional, each *args value, keyword-only; defaults filled."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = []
+    for name, param in signature.parameters.items():
+        value = bound.arguments[name]
+        values.extend(value if param.kind is inspect.Parameter.VAR_POSITIONAL else [value])
+    return tuple(values)
+
+
+@given(st.data())
+def test_binding_agrees_with_inspect_signature_bind(data):
+    signature = data.draw(_signatures(), label="signature")
+    args, kwargs = data.draw(_calls(signature), label="call")
+
+    def forward(*args, **kwargs):
+        raise AssertionError("only the signature is used")
+
+    forward.__signature__ = signature
+    binder = Signature("Random", forward, skip_first=False)
+    try:
+        expected = _bind_like_python(signature, args, kwargs)
+    except TypeError:
+        with pytest.raises(TypeError, match=r"^Random\.apply "):
+            binder.bind(args, kwargs)
+    else:
+        assert binder.bind(args, kwargs) == expected
 
 
 # ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Compilation (design.md, "Compilation" and "When user code runs"): `apply`
-is jit-compiled, one program per static signature, traced once; inside an
-outer `jit` it inlines; `jit=False` runs op by op; the cache is LRU-bounded
-and safe to use from several threads.
+"""Compilation, and when user code runs: `apply` is jit-compiled, one program
+per static signature, traced once; inside an outer `jit` it inlines;
+`jit=False` runs op by op; the cache is LRU-bounded and safe to use from
+several threads.
 """
 
 import gc

@@ -1,4 +1,6 @@
-"""The ctx object: every member of design.md's ctx table.
+"""The ctx object, member by member: save_for_backward and saved_tensors,
+needs_input_grad, attributes, set_materialize_grads, mark_non_differentiable,
+mark_dirty, the setup_context style, and once_differentiable backwards.
 
 Each test defines its own Function class: forward and backward run while JAX
 traces, once per compiled signature, so a fresh class is what makes the
@@ -17,6 +19,7 @@ import vjpkit
 
 X = jnp.array([0.5, -1.0, 2.0])
 W = jnp.array([1.5, 2.0, -0.5])
+ZEROS = jnp.zeros(3)
 
 
 # ---------------------------------------------------------------------------
@@ -242,7 +245,7 @@ def test_needs_input_grad_counts_defaults_and_varargs():
 
     class Sum(vjpkit.Function):
         @staticmethod
-        def forward(ctx, *xs, bias=jnp.zeros(3)):
+        def forward(ctx, *xs, bias=ZEROS):
             seen.append(ctx.needs_input_grad)
             return sum(xs) + bias
 
@@ -523,8 +526,9 @@ def test_once_differentiable_backward_works_at_first_order():
 
 def test_once_differentiable_backward_raises_at_second_order():
     Square = _once_differentiable_square()
-    with pytest.raises(RuntimeError, match=r"Square\.backward.*once_differentiable"):
+    with pytest.raises(RuntimeError, match=r"Square\.backward.*once_differentiable") as info:
         jax.hessian(lambda x: Square.apply(x).sum())(X)
+    assert type(info.value) is RuntimeError
 
 
 def test_once_differentiable_backward_raises_under_grad_of_grad():
@@ -533,8 +537,9 @@ def test_once_differentiable_backward_raises_under_grad_of_grad():
     def first(x):
         return jax.grad(lambda x: Square.apply(x).sum())(x).sum()
 
-    with pytest.raises(RuntimeError, match=r"Square\.backward.*once_differentiable"):
+    with pytest.raises(RuntimeError, match=r"Square\.backward.*once_differentiable") as info:
         jax.grad(first)(X)
+    assert type(info.value) is RuntimeError
 
 
 def test_needs_input_grad_is_real_under_an_outer_jit():

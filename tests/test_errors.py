@@ -1,5 +1,5 @@
 """Every misuse raises while tracing, with a message naming the Function class,
-the method, the position, and expected vs got (design.md, "Errors").
+the method, the position, and expected vs got.
 
 One test per misuse; each asserts the message.
 """
@@ -42,19 +42,22 @@ def grad_of(f):
 
 def test_too_many_non_none_gradients_raises():
     Bad = returning(lambda g: (g, g, None, g))
-    with pytest.raises(TypeError, match=r"Bad\.backward returned 4 gradients, expected 3 \(one per forward input: x, w, c\)"):
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 4 gradients, expected 3 \(one per forward input: x, "
+                                        r"w, c\)"):
         grad_of(Bad.apply)
 
 
 def test_too_few_gradients_raises():
     Bad = returning(lambda g: (g, g))
-    with pytest.raises(TypeError, match=r"Bad\.backward returned 2 gradients, expected 3 .*x, w, c.*Return None for inputs"):
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 2 gradients, expected 3 .*x, w, c.*Return None for "
+                                        r"inputs"):
         grad_of(Bad.apply)
 
 
 def test_list_of_gradients_counts_as_one_value():
     Bad = returning(lambda g: [g, g, None])
-    with pytest.raises(TypeError, match=r"Bad\.backward returned 1 gradient, expected 3.*A list counts as one value: return a tuple"):
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 1 gradient, expected 3.*A list counts as one value: "
+                                        r"return a tuple"):
         grad_of(Bad.apply)
 
 
@@ -83,38 +86,44 @@ def test_gradient_of_the_wrong_structure_raises():
             return {"w": g}  # "b" is missing
 
     params = {"w": X, "b": W}
-    with pytest.raises(TypeError, match=r"Bad\.backward returned a gradient for input 0 \('params'\) with structure .*expected the input's structure"):
+    with pytest.raises(TypeError, match=r"Bad\.backward returned a gradient for input 0 \('params'\) with structure "
+                                        r".*expected the input's structure"):
         jax.grad(lambda p: Bad.apply(p).sum())(params)
 
 
 def test_gradient_of_the_wrong_shape_raises():
     Bad = returning(lambda g: (g[:2], None, None))
-    with pytest.raises(ValueError, match=r"Bad\.backward returned a gradient of shape \(2,\) for input 0 \('x'\): expected shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"Bad\.backward returned a gradient of shape \(2,\) for input 0 \('x'\): "
+                                         r"expected shape \(3,\)"):
         grad_of(Bad.apply)
 
 
 def test_gradient_whose_shape_is_not_a_broadcast_of_the_input_raises():
     # (3, 1) broadcasts *with* (3,) but is not a broadcast *of* it: no sum-down.
     Bad = returning(lambda g: (g[:, None], None, None))
-    with pytest.raises(ValueError, match=r"Bad\.backward returned a gradient of shape \(3, 1\) for input 0 \('x'\): expected shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"Bad\.backward returned a gradient of shape \(3, 1\) for input 0 \('x'\): "
+                                         r"expected shape \(3,\)"):
         grad_of(Bad.apply)
 
 
 def test_complex_gradient_for_a_real_input_raises():
     Bad = returning(lambda g: (g * (1 + 1j), None, None))
-    with pytest.raises(TypeError, match=r"Bad\.backward returned a complex gradient \(complex64\) for input 0 \('x'\), which is real \(float32\)"):
+    with pytest.raises(TypeError, match=r"Bad\.backward returned a complex gradient \(complex64\) for input 0 \('x'\), "
+                                        r"which is real \(float32\)"):
         grad_of(Bad.apply)
 
 
 def test_gradient_for_a_static_input_raises():
     Bad = returning(lambda g: (g, g, jnp.sum(g)))
-    with pytest.raises(TypeError, match=r"Bad\.backward returned a gradient for input 2 \('c'\), which is static .*expected None, got array"):
+    with pytest.raises(TypeError, match=r"Bad\.backward returned a gradient for input 2 \('c'\), which is static "
+                                        r".*expected None, got array"):
         grad_of(Bad.apply)
 
 
 def test_non_array_gradient_raises():
     Bad = returning(lambda g: ("oops", None, None))
-    with pytest.raises(TypeError, match=r"Bad\.backward returned 'oops' \(str\) as the gradient for input 0 \('x'\): expected an array of shape \(3,\) and dtype float32, or None"):
+    with pytest.raises(TypeError, match=r"Bad\.backward returned 'oops' \(str\) as the gradient for input 0 \('x'\): "
+                                        r"expected an array of shape \(3,\) and dtype float32, or None"):
         grad_of(Bad.apply)
 
 
@@ -139,7 +148,8 @@ def test_save_for_backward_of_a_non_array_raises_naming_the_position():
         def backward(ctx, g):
             return g
 
-    with pytest.raises(TypeError, match=r"Bad\.forward: save_for_backward takes arrays or None, but argument 2 is float \(3\.0\)"):
+    with pytest.raises(TypeError, match=r"Bad\.forward: save_for_backward takes arrays or None, but argument 2 is "
+                                        r"float \(3\.0\)"):
         Bad.apply(X)
 
 
@@ -155,7 +165,8 @@ def test_mark_dirty_of_a_non_input_raises():
         def backward(ctx, g):
             return 2 * g
 
-    with pytest.raises(ValueError, match=r"Bad\.forward: mark_dirty argument 0 \(array of shape \(3,\) and dtype float32\) is not an input of forward"):
+    with pytest.raises(ValueError, match=r"Bad\.forward: mark_dirty argument 0 \(array of shape \(3,\) and dtype "
+                                         r"float32\) is not an input of forward"):
         Bad.apply(X)
 
 
@@ -170,7 +181,8 @@ def test_returning_a_dirty_input_unchanged_raises():
         def backward(ctx, g):
             return g
 
-    with pytest.raises(ValueError, match=r"Bad\.forward marked an input dirty \(ctx\.mark_dirty\) and returned that same input object unchanged"):
+    with pytest.raises(ValueError, match=r"Bad\.forward marked an input dirty \(ctx\.mark_dirty\) and returned that "
+                                         r"same input object unchanged"):
         Bad.apply(X)
 
 
@@ -189,7 +201,8 @@ def test_ctx_used_after_the_call_raises():
 
     Leaky.apply(X)
     (ctx,) = kept
-    with pytest.raises(RuntimeError, match=r"Leaky: ctx\.save_for_backward was used after the call it belongs to had finished"):
+    with pytest.raises(RuntimeError, match=r"Leaky: ctx\.save_for_backward was used after the call it belongs to had "
+                                           r"finished"):
         ctx.save_for_backward(X)
     with pytest.raises(RuntimeError, match=r"Leaky: ctx\.needs_input_grad was used after"):
         ctx.needs_input_grad  # noqa: B018
@@ -251,7 +264,10 @@ def _reverse_only():
     return ReverseOnly
 
 
-NO_JVP = r"ReverseOnly has no forward-mode derivative .*defines backward but no jvp.*Add a jvp\(ctx, \*tangents\) staticmethod to ReverseOnly"
+NO_JVP = (
+    r"ReverseOnly has no forward-mode derivative .*defines backward but no jvp.*"
+    r"Add a jvp\(ctx, \*tangents\) staticmethod to ReverseOnly"
+)
 
 
 def test_jvp_of_a_function_without_jvp_raises():

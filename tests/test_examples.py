@@ -8,6 +8,10 @@ top, e.g. `# requires: optax, sklearn` (import names); it is skipped when
 one of them is not importable. Examples run in subprocesses, several at a
 time (they are independent, and most of each run is importing JAX), each
 with a timeout: `VJPKIT_EXAMPLE_TIMEOUT` seconds, 300 by default.
+
+The training examples are the exception (`RUN_BY_TEST_TRAINING`):
+tests/test_training.py runs their scripts and checks the numbers they print,
+so running them here too would only train the same models twice.
 """
 
 import concurrent.futures
@@ -21,9 +25,11 @@ import sys
 import pytest
 
 EXAMPLES_DIR = pathlib.Path(__file__).resolve().parent.parent / "examples"
-EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
+ALL_EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
 TIMEOUT_S = float(os.environ.get("VJPKIT_EXAMPLE_TIMEOUT", "300"))
 REQUIRES_LINE = re.compile(r"^#\s*requires:\s*(.+)$", re.MULTILINE)
+RUN_BY_TEST_TRAINING = {"train_mlp.py", "train_sharded.py", "equinox_module.py", "flax_nnx_module.py"}
+EXAMPLES = [p for p in ALL_EXAMPLES if p.name not in RUN_BY_TEST_TRAINING]
 
 
 def required_modules(path):
@@ -80,6 +86,7 @@ def example_runs(request):
 
 def test_examples_exist():
     assert EXAMPLES, f"no examples found in {EXAMPLES_DIR}"
+    assert RUN_BY_TEST_TRAINING <= {p.name for p in ALL_EXAMPLES}
 
 
 @pytest.mark.parametrize("example", [example_param(p) for p in EXAMPLES])

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gc_functions import Exp, HostRowScale, LinearFunction
 
 import vjpkit
-from gc_functions import Exp, HostRowScale, LinearFunction
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((2, 3))
@@ -33,6 +33,15 @@ def custom_vjp(fn, bwd):
 
 def linear(x, w):
     return x @ w.T
+
+
+# Wrong backwards that several tests check with the same inputs and options:
+# defined once, so that gradcheck compiles each check once (it caches per function).
+SIN_GRAD_TEN_PERCENT_HIGH = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+LINEAR_X_GRAD_TEN_PERCENT_HIGH = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+LINEAR_W_GRAD_TEN_PERCENT_LOW = custom_vjp(linear, lambda x, w, g: (g @ w, 0.9 * (g.T @ x)))
+# The backward hides x from differentiation: right to first order, its own derivative misses g * -sin(x).
+SIN_RIGHT_TO_FIRST_ORDER_ONLY = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
 
 
 def mismatches(fn, inputs, **kw):
@@ -146,7 +155,7 @@ def test_host_function_with_a_slightly_wrong_backward_is_caught_in_float64():
 
 
 def test_backward_scaled_by_1_1_is_caught():
-    f = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+    f = SIN_GRAD_TEN_PERCENT_HIGH
     (m,) = mismatches(f, (V,))
     assert (m.output_index, m.input_index) == (0, 0)
     assert m.analytical_value == pytest.approx(1.1 * m.numerical_value, rel=1e-6)
@@ -170,7 +179,7 @@ def test_missing_term_is_caught():
 
 
 def test_wrong_gradient_for_one_input_only_is_reported_for_that_input():
-    f = custom_vjp(linear, lambda x, w, g: (g @ w, 0.9 * (g.T @ x)))
+    f = LINEAR_W_GRAD_TEN_PERCENT_LOW
     (m,) = mismatches(f, (X, W))
     assert (m.output_index, m.input_index) == (0, 1)
     assert m.mismatched == np.count_nonzero(true_jacobian(linear, (X, W), None, 1))
@@ -208,7 +217,7 @@ def test_mismatch_names_pytree_paths_of_input_and_output():
 
 
 def test_mismatch_holds_both_jacobians_in_pytorch_layout():
-    f = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+    f = LINEAR_X_GRAD_TEN_PERCENT_HIGH
     (m,) = mismatches(f, (X, W))
     expected = true_jacobian(linear, (X, W), None, 0)  # (input elements, output elements)
     np.testing.assert_allclose(m.numerical, expected, atol=1e-8)
@@ -217,7 +226,7 @@ def test_mismatch_holds_both_jacobians_in_pytorch_layout():
 
 def test_worst_element_is_indexed_in_the_leaves_own_shapes():
     # d y[i, j] / d x[i, k] = w[j, k]: only those pairs are nonzero.
-    f = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+    f = LINEAR_X_GRAD_TEN_PERCENT_HIGH
     (m,) = mismatches(f, (X, W))
     (i, j), (i2, k) = m.output_element, m.input_element
     assert i == i2
@@ -268,7 +277,7 @@ def test_nan_gradient_is_a_mismatch():
 
 
 def test_report_names_pair_worst_element_values_and_differences():
-    f = custom_vjp(linear, lambda x, w, g: (g @ w, 0.9 * (g.T @ x)))
+    f = LINEAR_W_GRAD_TEN_PERCENT_LOW
     with pytest.raises(vjpkit.GradcheckError) as info:
         vjpkit.gradcheck(f, (X, W))
     (m,) = info.value.mismatches
@@ -284,7 +293,7 @@ def test_report_names_pair_worst_element_values_and_differences():
 def test_report_truncates_large_jacobians():
     rng = np.random.default_rng(2)
     inputs = (rng.standard_normal((20, 20)), rng.standard_normal((30, 20)))
-    f = custom_vjp(linear, lambda x, w, g: (1.1 * (g @ w), g.T @ x))
+    f = LINEAR_X_GRAD_TEN_PERCENT_HIGH
     with pytest.raises(vjpkit.GradcheckError) as info:
         vjpkit.gradcheck(f, inputs, eps=1e-6, atol=1e-4)
     report = str(info.value)
@@ -297,7 +306,7 @@ def test_gradcheck_error_is_a_runtime_error():
 
 
 def test_raise_exception_false_returns_false():
-    f = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+    f = SIN_GRAD_TEN_PERCENT_HIGH
     assert vjpkit.gradcheck(f, (V,), raise_exception=False) is False
 
 
@@ -329,7 +338,7 @@ def test_fast_mode_failure_reports_projection_and_full_jacobians():
 
 
 def test_fast_mode_raise_exception_false_returns_false():
-    f = custom_vjp(jnp.sin, lambda x, g: (1.1 * g * jnp.cos(x),))
+    f = SIN_GRAD_TEN_PERCENT_HIGH
     assert vjpkit.gradcheck(f, (V,), fast_mode=True, raise_exception=False) is False
 
 
@@ -426,7 +435,8 @@ def test_backward_wrong_under_vmap_fails_batched_grad_check():
 
 def test_function_without_vmap_is_checked_in_a_loop_with_a_warning():
     f = callback_vjp(sin_backward, None)
-    with pytest.warns(UserWarning, match="the VJP does not support vmap, so gradcheck evaluated it in a sequential loop"):
+    with pytest.warns(UserWarning, match="the VJP does not support vmap, so gradcheck evaluated it in a sequential "
+                                         "loop"):
         assert vjpkit.gradcheck(f, (V,))
 
 
@@ -434,7 +444,8 @@ def test_backward_without_vmap_fails_batched_grad_check():
     f = callback_vjp(sin_backward, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(vjpkit.GradcheckError, match="vmap of the VJP over gradients of output 0 raised NotImplementedError"):
+        with pytest.raises(vjpkit.GradcheckError, match="vmap of the VJP over gradients of output 0 raised "
+                                                        "NotImplementedError"):
             vjpkit.gradcheck(f, (V,), check_batched_grad=True)
 
 
@@ -738,7 +749,8 @@ def test_both_modes_off_is_an_error():
 
 
 def test_batched_grad_without_backward_is_an_error():
-    with pytest.raises(ValueError, match="check_batched_grad=True checks vmap of the VJP, so it requires check_backward_ad=True"):
+    with pytest.raises(ValueError, match="check_batched_grad=True checks vmap of the VJP, so it requires "
+                                         "check_backward_ad=True"):
         vjpkit.gradcheck(jnp.sin, (V,), check_batched_grad=True, check_forward_ad=True, check_backward_ad=False)
 
 
@@ -783,7 +795,7 @@ def test_gradgradcheck_passes_tutorial_linear_function_with_bias():
 
 def test_gradgradcheck_catches_backward_that_is_right_only_to_first_order():
     # The backward hides x from differentiation: its own derivative is missing g * -sin(x).
-    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    f = SIN_RIGHT_TO_FIRST_ORDER_ONLY
     assert vjpkit.gradcheck(f, (V,))
     with pytest.raises(vjpkit.GradcheckError) as info:
         vjpkit.gradgradcheck(f, (V,))
@@ -803,7 +815,7 @@ def test_gradgradcheck_names_grad_outputs_in_the_report():
 
 def test_gradgradcheck_uses_given_grad_outputs():
     # The missing second-order term is -g * sin(x): invisible where g is zero.
-    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    f = SIN_RIGHT_TO_FIRST_ORDER_ONLY
     assert vjpkit.gradgradcheck(f, (V,), (np.zeros(5),))
     assert vjpkit.gradgradcheck(f, (V,), np.zeros(5))  # a single array for a single output
     assert not vjpkit.gradgradcheck(f, (V,), (np.ones(5),), raise_exception=False)
@@ -830,10 +842,11 @@ def test_gradgradcheck_of_once_differentiable_backward_raises_its_error():
             return g * y
 
     assert vjpkit.gradcheck(OnceExp.apply, (V,))
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="OnceExp.backward is decorated with @once_differentiable") as info:
         vjpkit.gradgradcheck(OnceExp.apply, (V,))
+    assert type(info.value) is RuntimeError  # the decorator's own error, not a GradcheckError
 
 
 def test_gradgradcheck_raise_exception_false_returns_false():
-    f = custom_vjp(jnp.sin, lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    f = SIN_RIGHT_TO_FIRST_ORDER_ONLY
     assert vjpkit.gradgradcheck(f, (V,), raise_exception=False) is False

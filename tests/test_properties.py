@@ -523,7 +523,12 @@ def _fraction(n: int) -> settings:
 
 
 @_fraction(4)
-@given(programs(forward_mode=True), st.sampled_from(FORWARD_TRANSFORMS + ("grad", "jacrev")), st.booleans(), st.integers(0, 2**16))
+@given(
+    programs(forward_mode=True),
+    st.sampled_from(FORWARD_TRANSFORMS + ("grad", "jacrev")),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
 def test_forward_mode_programs_match_in_float64(program, transform, jit, seed):
     check(program, transform, jit, "float64", seed)
 
@@ -575,6 +580,7 @@ def test_the_mutation_is_caught_by_gradcheck_with_tight_tolerances():
         vjpkit.gradcheck(SinOff.apply, (x,), atol=1e-9, rtol=1e-8)
 
 
+@pytest.mark.thorough  # the deterministic mutation tests above make the point in the default run
 @_fraction(6)
 @given(programs(forward_mode=False), st.integers(0, 2**16))
 def test_random_programs_using_the_mutated_sin_are_caught(program, seed):

@@ -1,5 +1,5 @@
 """Sharded `jit` over 8 devices and `jax.shard_map` give the single-device
-results (design.md, "Transformations that must work").
+results.
 
 The device count is fixed when JAX starts, and this pytest process has one
 CPU device, so `sharded_script.py` runs once in a subprocess with

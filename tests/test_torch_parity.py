@@ -1,7 +1,8 @@
 """``vjpkit.testing.assert_matches_torch``: PyTorch's tutorial Functions and
 their vjpkit ports agree on outputs, gradients and second derivatives; a
-wrong port is caught with a report naming what differs. Without torch (as
-in CI) these tests skip, except the one that checks the skip itself.
+wrong port is caught with a report naming what differs. CI installs torch's
+CPU wheel (the ``torch`` extra); without torch these tests skip, except the
+one that checks the skip itself.
 """
 
 import sys

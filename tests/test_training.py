@@ -1,12 +1,14 @@
 """Training with vjpkit Functions: the numbers the examples promise.
 
-The examples expose their training loops as functions (``train_mlp.train``,
-``memory.measure``, ...); these tests call them with the examples directory
-on ``sys.path``, as ``python examples/NAME.py`` would have it. The sharded
-example needs 8 host devices, which XLA only creates at start-up, so it runs
-in a subprocess.
+The training examples run here, once each: their own ``main()`` in this
+process (with the examples directory on ``sys.path`` and ``sys.argv`` set, as
+``python examples/NAME.py`` would have them), and the numbers they print are
+checked; tests/test_examples.py leaves them to this file. The sharded example
+needs 8 host devices, which XLA only creates at start-up, so it runs in a
+subprocess.
 """
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -25,8 +27,16 @@ def examples_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES_DIR))
 
 
-def quiet(line):
-    pass
+def run_main(module, *args):
+    """Runs the example script's ``main()`` as ``python examples/NAME.py ARGS`` would."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [f"{module.__name__}.py", *args])
+        module.main()
+
+
+def printed(pattern, out):
+    """Every match of ``pattern`` (one group, a number) in the printed lines, as floats."""
+    return [float(value) for value in re.findall(pattern, out, re.MULTILINE)]
 
 
 def test_layers_pass_gradcheck():
@@ -35,15 +45,22 @@ def test_layers_pass_gradcheck():
     assert layers.gradcheck_layers() == ["Linear", "ReLU", "SoftmaxCrossEntropy"]
 
 
-def test_digits_classifier_reaches_95_percent_test_accuracy():
+def test_digits_classifier_reaches_95_percent_test_accuracy(capsys, tmp_path):
     pytest.importorskip("optax")
     pytest.importorskip("sklearn")
     import train_mlp
 
-    _, history = train_mlp.train(log=quiet)
+    run_main(train_mlp, "--plot", str(tmp_path / "loss.png"))
+    out = capsys.readouterr().out
 
-    assert history["test_accuracy"][-1] >= 0.95
-    assert history["loss"][-1] < history["loss"][0] / 10
+    assert out.startswith("gradcheck: Linear ok, ReLU ok, SoftmaxCrossEntropy ok\n")
+    losses = printed(r"^epoch +\d+ +loss ([\d.]+)", out)
+    (accuracy,) = printed(r"^test accuracy: ([\d.]+)%", out)
+    assert len(losses) == 30
+    assert accuracy >= 95.0
+    assert losses[-1] < losses[0] / 10
+    if importlib.util.find_spec("matplotlib"):  # the loss curve is drawn when it is installed
+        assert (tmp_path / "loss.png").stat().st_size > 0
 
 
 def test_data_parallel_training_ends_at_the_single_device_loss():
@@ -64,20 +81,22 @@ def test_data_parallel_training_ends_at_the_single_device_loss():
     assert sharded == pytest.approx(single, rel=1e-4)
 
 
-def test_function_inside_equinox_module_trains_with_optax():
+def test_function_inside_equinox_module_trains_with_optax(capsys):
     pytest.importorskip("equinox")
     pytest.importorskip("optax")
     import equinox_module
 
-    assert equinox_module.train(steps=300, log=quiet) < 1e-3
+    run_main(equinox_module, "--steps", "300")
+    assert printed(r"^final mse: ([\d.]+)$", capsys.readouterr().out)[0] < 1e-3
 
 
-def test_function_inside_flax_nnx_module_trains_with_optax():
+def test_function_inside_flax_nnx_module_trains_with_optax(capsys):
     pytest.importorskip("flax")
     pytest.importorskip("optax")
     import flax_nnx_module
 
-    assert flax_nnx_module.train(steps=300, log=quiet) < 1e-3
+    run_main(flax_nnx_module, "--steps", "300")
+    assert printed(r"^final mse: ([\d.]+)$", capsys.readouterr().out)[0] < 1e-3
 
 
 def test_fused_cross_entropies_give_autodiff_gradients():
@@ -110,9 +129,10 @@ def test_benchmark_autodiff_model_is_the_vjpkit_model(monkeypatch):
     x = rng.normal(size=(8, 64)).astype(np.float32)
     y = rng.integers(0, 10, size=8).astype(np.int32)
     params = train_mlp.init_params(jax.random.key(0))
-    want_loss, want_grads = jax.value_and_grad(train_step.plain_loss)(params, x, y)
-    got_loss, got_grads = jax.value_and_grad(train_mlp.loss_fn)(params, x, y)
+    # Jitted: two compilations instead of one per op of each model.
+    want_loss, want_grads = jax.jit(jax.value_and_grad(train_step.plain_loss))(params, x, y)
+    got_loss, got_grads = jax.jit(jax.value_and_grad(train_mlp.loss_fn))(params, x, y)
 
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
-    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,5 @@
 """Every JAX transformation, alone and composed, against autodiff of the same
-math written in plain `jnp` (design.md, "Transformations that must work").
+math written in plain `jnp`.
 
 The Functions under test save intermediates in forward and use them in
 backward, the case PyTorch gets wrong at second order (pytorch#58509: the
@@ -9,7 +9,6 @@ saved tanh(x) is treated as a constant, so the second derivative is zero).
 import chex
 import jax
 import jax.numpy as jnp
-import pytest
 
 import vjpkit
 

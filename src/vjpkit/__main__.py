@@ -119,8 +119,9 @@ def _resolve(target: str) -> Callable:
         if not hasattr(obj, part):
             raise _UsageError(f"module {module_name!r} has no attribute {name!r}")
         obj = getattr(obj, part)
-    if isinstance(obj, type) and callable(getattr(obj, "apply", None)):
-        return obj.apply
+    apply = getattr(obj, "apply", None)
+    if isinstance(obj, type) and callable(apply):
+        return apply
     if not callable(obj):
         raise _UsageError(f"{target} is a {type(obj).__name__}, not a Function or a function")
     return obj

@@ -1,0 +1,82 @@
+"""CI's rule (tests/conftest.py): with CI=true a skipped test fails, unless it
+is thorough-only or needs a feature this JAX lacks. Checked on a small test
+file run by pytest's own ``pytester`` with this suite's conftest.
+"""
+
+import pathlib
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+CONFTEST = (pathlib.Path(__file__).parent / "conftest.py").read_text()
+
+SKIPPING_TESTS = """
+import pytest
+
+def test_runs():
+    pass
+
+def test_needs_a_missing_package():
+    pytest.importorskip("a_package_that_is_not_installed")
+
+@pytest.mark.skip(reason="this JAX lacks jax.some_new_feature")
+def test_of_a_newer_jax():
+    pass
+
+@pytest.mark.thorough
+def test_slow_and_thorough():
+    pass
+
+@pytest.mark.xfail(strict=True, reason="a known limitation")
+def test_known_limitation():
+    assert False
+"""
+
+
+@pytest.fixture
+def suite(pytester, monkeypatch):
+    monkeypatch.delenv("VJPKIT_HYPOTHESIS_PROFILE", raising=False)
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_skips=SKIPPING_TESTS)
+    return pytester
+
+
+def test_in_ci_a_skip_for_a_missing_package_fails(suite, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    result = suite.runpytest("-rfs")
+    result.assert_outcomes(passed=1, failed=1, skipped=2, xfailed=1)
+    result.stdout.fnmatch_lines([
+        "skipped in CI, where every test must run: could not import 'a_package_that_is_not_installed'*",
+        "FAILED test_skips.py::test_needs_a_missing_package*",
+    ])
+
+
+def test_in_ci_thorough_and_older_jax_skips_are_allowed(suite, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    result = suite.runpytest("-rs", "-k", "not missing_package")
+    result.assert_outcomes(passed=1, skipped=2, xfailed=1)
+    result.stdout.fnmatch_lines_random([
+        "SKIPPED*this JAX lacks jax.some_new_feature",
+        "SKIPPED*thorough profile only: runs with VJPKIT_HYPOTHESIS_PROFILE=thorough",
+    ])
+
+
+def test_in_ci_a_module_skipped_at_import_fails(pytester, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_torch_only="import pytest\ntorch = pytest.importorskip('a_missing_torch')\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*skipped in CI, where every test must run: could not import 'a_missing_torch'*"])
+
+
+def test_outside_ci_skips_are_skips(suite, monkeypatch):
+    monkeypatch.setenv("CI", "false")
+    suite.runpytest().assert_outcomes(passed=1, skipped=3, xfailed=1)
+
+
+def test_the_thorough_profile_runs_the_thorough_tests(suite, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setenv("VJPKIT_HYPOTHESIS_PROFILE", "thorough")
+    suite.runpytest_subprocess("-k", "thorough").assert_outcomes(passed=1)
