@@ -28,7 +28,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import _anomaly, _jax_internals
 from ._ctx import _short_repr, closing, is_array, rule_ctx
 from ._outputs import Packed, is_differentiable_dtype
-from ._program import Program, Residuals
+from ._program import Program, Residuals, as_arrays
 
 
 def forward_mode_function(program: Program) -> Any:
@@ -59,8 +59,9 @@ class _Rule:
 
     def run(self, primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
         program, spec = self.program, self.spec
-        arrays = tuple(primals)
+        arrays = as_arrays(primals)
         perturbed = [type(t) is not SymbolicZero for t in tangents]
+        tangents = [t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents]
         needs = program.needs_input_grad(perturbed, arrays)
         perturbed = [
             p and is_differentiable_dtype(jnp.result_type(x)) for p, x in zip(perturbed, arrays, strict=True)

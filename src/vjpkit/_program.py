@@ -86,6 +86,16 @@ def _kind(x: Any) -> tuple:
     return (tuple(x.shape), x.dtype)
 
 
+def as_arrays(xs: Sequence[Any]) -> tuple:
+    """``xs`` as JAX arrays: the scalars JAX passes when it runs eagerly become arrays.
+
+    Why: differentiating with respect to a Python float eagerly (``jit=False``,
+    ``jax.disable_jit()``) hands the rules JAX's weakly typed scalar wrapper
+    (a ``float`` subclass with a dtype), where under ``jit`` they see a tracer.
+    """
+    return tuple(x if isinstance(x, jax.Array) else jnp.asarray(x) for x in xs)
+
+
 class Program:
     """The user's methods for one static part of a call (``layout``), and their checks."""
 
@@ -116,11 +126,12 @@ class Program:
 
     def primal(self, *arrays: Any) -> Packed:
         """forward's outputs when nothing is differentiated."""
-        packed, _, _ = self._forward(arrays, (False,) * self.n_params)
+        packed, _, _ = self._forward(as_arrays(arrays), (False,) * self.n_params)
         return packed
 
     def run_forward(self, arrays: tuple, needs: tuple, forward_mode: bool = False) -> tuple[Packed, Residuals]:
         """forward's outputs, and what backward (and, in ``forward_mode``, jvp) needs of it."""
+        arrays = as_arrays(arrays)
         packed, out, ctx = self._forward(arrays, needs)
         left = forwarded(ctx, forward_mode)
         layout, res_arrays = split_residuals(left.carried)
