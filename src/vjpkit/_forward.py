@@ -184,6 +184,12 @@ class _Rule:
                     f"{name}.jvp returned a tangent of shape {tuple(t.shape)} for "
                     f"output {j}: expected shape {shape}."
                 )
+            if jnp.issubdtype(t.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+                raise TypeError(
+                    f"{name}.jvp returned a complex tangent ({t.dtype}) for output {j}, "
+                    f"which is real ({dtype}): expected dtype {dtype}. Take the real part "
+                    "explicitly if that is what you mean."
+                )
             tangents.append(t if t.dtype == dtype else t.astype(dtype))
         return tangents
 
