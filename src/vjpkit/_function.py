@@ -25,11 +25,11 @@ from jax.errors import UnexpectedTracerError
 from . import _anomaly, _jax_internals
 from ._args import as_jax_leaf
 from ._caches import on_clear
-from ._ctx import FunctionCtx, is_array
+from ._ctx import FunctionCtx
 from ._forward import forward_mode_function
 from ._outputs import Packed
 from ._program import Program, Residuals, Spec
-from ._tree import Partition, partition
+from ._tree import Partition
 
 # The concrete type of a non-traced jax.Array: the fast path's test.
 _ArrayImpl = _jax_internals.ArrayImpl
@@ -178,7 +178,7 @@ class _Cache:
     def call(self, args: tuple, kwargs: dict) -> Any:
         spec = self.spec
         values = spec.signature.bind(args, kwargs)
-        layout, arrays = partition(values, is_array)
+        layout, arrays = spec.partition_arguments(values)
         key = layout.key  # the static part of the call
         anomaly = _anomaly.enabled()
         if anomaly:  # a program with NaN/Inf checks, never on the fast path

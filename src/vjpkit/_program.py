@@ -21,7 +21,7 @@ from jax.errors import TracerArrayConversionError
 
 from . import _anomaly, _host, _jax_internals
 from ._args import Signature, split_residuals
-from ._ctx import FunctionCtx, call_forward, closing, forwarded, method_of, rule_ctx
+from ._ctx import FunctionCtx, call_forward, closing, forwarded, is_array, method_of, rule_ctx
 from ._once import call_without_derivative, is_once_differentiable
 from ._outputs import (
     Packed,
@@ -31,7 +31,7 @@ from ._outputs import (
     output_cotangents,
     pack_outputs,
 )
-from ._tree import Partition
+from ._tree import Partition, Unkeyable, partition
 
 
 class Spec:
@@ -49,6 +49,46 @@ class Spec:
         self.once_differentiable = is_once_differentiable(self.backward)
         if cls.host:
             _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
+
+
+    def partition_arguments(self, values: tuple) -> tuple[Partition, list]:
+        """The bound arguments split into the static part (keyed by value) and the arrays."""
+        try:
+            return partition(values, is_array, by_value=True)
+        except Unkeyable as e:
+            raise self._unkeyable(values, e) from None
+
+    def _unkeyable(self, values: tuple, e: Unkeyable) -> TypeError:
+        holder = next(i for i, v in enumerate(values) if _path_in(e, v) is not None)
+        name = self.signature.names(len(values))[holder]
+        where = f"{name}{_path_in(e, values[holder])}"
+        culprit, owner = e.culprit, type(e.value).__name__
+        if e.reason == "array":
+            problem = (
+                f"{where} is an array (shape {tuple(culprit.shape)}, dtype {culprit.dtype}), which cannot be "
+                "part of a compile-cache key. Pass the array as an argument of its own (arrays are traced), "
+                f"or hold Python values (floats, tuples) in the {owner} instead."
+            )
+        else:
+            kind = type(culprit).__name__
+            problem = (
+                f"{where} is an unhashable {kind} "
+                f"{'that refers back to itself' if e.reason == 'cycle' else 'with no fields to compare'}. "
+                f"Make {kind} hashable (define __eq__ and __hash__, or use @dataclass(frozen=True)) "
+                "to key it by its own equality."
+            )
+        return TypeError(
+            f"{self.name}.apply: static argument {name!r} ({owner}) is keyed by its contents, so that a "
+            f"changed object gets a new program; but {problem}"
+        )
+
+
+def _path_in(e: Unkeyable, value: Any) -> str | None:
+    """Where in the argument ``value`` the unkeyable part is (None if elsewhere)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if leaf is e.value:
+            return jax.tree_util.keystr(path) + e.path
+    return None
 
 
 def _defined(cls: type, base: type, method: str) -> Callable | None:
@@ -101,7 +141,7 @@ class Program:
 
     def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
         self.spec = spec
-        self.layout = layout
+        self.layout = layout.snapshot()  # unhashable static arguments copied: they are keyed by contents
         self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
         self.names = spec.signature.names(n_values)
         self.param_treedefs = tuple(layout.treedef.children())
