@@ -420,6 +420,41 @@ def test_non_differentiable_output_keeps_its_value():
     chex.assert_trees_all_close((s, c), (jnp.sin(X), jnp.cos(X)))
 
 
+def _nearest_code(mark: bool):
+    class NearestCode(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, codebook):
+            distances = jnp.abs(x[:, None] - codebook[None, :])
+            codes = jnp.argmin(distances, axis=1)
+            if mark:  # a float output declared non-differentiable
+                codes = codes.astype(x.dtype)
+                ctx.mark_non_differentiable(codes)
+            return codes
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("backward must not be called: no output carries a gradient")
+
+    return NearestCode
+
+
+@pytest.mark.parametrize("mark", [False, True], ids=["integer-output", "marked-output"])
+def test_backward_is_not_called_when_no_output_carries_a_gradient(mark):
+    NearestCode = _nearest_code(mark)
+    codebook = jnp.array([0.0, 1.0, -1.0])
+    codes, vjp = jax.vjp(NearestCode.apply, X, codebook)
+    chex.assert_trees_all_close(codes.astype(jnp.int32), jnp.array([0, 2, 1]))
+    gx, gc = vjp(jnp.ones_like(codes))
+    chex.assert_trees_all_close((gx, gc), (jnp.zeros(3), jnp.zeros(3)))
+
+
+def test_grad_through_an_unused_non_differentiable_function_is_zero():
+    NearestCode = _nearest_code(mark=True)
+    codebook = jnp.array([0.0, 1.0, -1.0])
+    got = jax.jit(jax.grad(lambda x: (NearestCode.apply(x, codebook) * x).sum()))(X)
+    chex.assert_trees_all_close(got, jnp.array([0.0, 2.0, 1.0]))  # only through the product's x
+
+
 # ---------------------------------------------------------------------------
 # mark_dirty
 

@@ -218,6 +218,10 @@ class Program:
         forward turned materialization off (PyTorch's rule).
         """
         meta = residuals.meta
+        if not any(meta.differentiable):
+            # No output carries a gradient, so none flows back: PyTorch never calls
+            # backward then (and real backward methods raise in that case).
+            return [None] * len(self.layout.dynamic)
         grads = output_cotangents(out_layout, cotangents, meta.out_avals, meta.differentiable, meta.materialize)
         if not self.spec.once_differentiable:
             return self._backward(meta, residuals.arrays, grads)
