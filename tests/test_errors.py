@@ -284,16 +284,19 @@ def test_jvp_of_a_checkpointed_function_without_jvp_raises():
         jax.jvp(jax.checkpoint(f), (X,), (jnp.ones(3),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jax.linearize traces the custom_vjp's forward rule like jax.vjp does; "
-    "the linear map fails later, in JAX's own custom_lin, without the class name",
-)
 def test_linearize_of_a_function_without_jvp_raises():
     f = _reverse_only().apply
     with pytest.raises(TypeError, match=NO_JVP):
         _, f_jvp = jax.linearize(f, X)
         f_jvp(jnp.ones(3))
+
+
+def test_linearize_after_grad_of_the_same_function_raises_and_grad_still_works():
+    f = _reverse_only().apply
+    expected = jax.grad(lambda x: f(x).sum())(X)
+    with pytest.raises(TypeError, match=NO_JVP):
+        jax.linearize(f, X)
+    assert jnp.array_equal(jax.grad(lambda x: f(x).sum())(X), expected)
 
 
 def test_jvp_after_grad_of_the_same_function_still_raises():

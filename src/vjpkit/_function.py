@@ -28,7 +28,7 @@ from ._caches import on_clear
 from ._ctx import FunctionCtx
 from ._forward import forward_mode_function
 from ._outputs import Packed
-from ._program import Program, Residuals, Spec
+from ._program import Program, Residuals, Spec, called_from_linearize, linearizing
 from ._tree import Partition
 
 # The concrete type of a non-traced jax.Array: the fast path's test.
@@ -90,7 +90,7 @@ class _Program(Program):
                 "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
                 "jax.jacfwd)."
             )
-        if _jax_internals.called_from_forward_mode():
+        if _jax_internals.called_from_forward_mode() or called_from_linearize():
             raise _no_forward_mode(spec)
         arrays = tuple(p.value for p in primals)
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
@@ -185,6 +185,8 @@ class _Cache:
             key = ("detect_anomaly", key)
         program, jitted = self.program(key, layout, len(values), anomaly)
         try:
+            if spec.jvp is None and linearizing():  # JAX may reuse a forward rule traced for reverse mode
+                raise _no_forward_mode(spec)
             if not spec.jit or _jax_internals.is_staging():
                 # Under an outer jit (or scan, checkpoint, ...) the custom_vjp
                 # inlines into the caller's program; jit=False runs op by op.
