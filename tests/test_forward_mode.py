@@ -362,6 +362,26 @@ def test_jvp_only_with_a_nonlinear_jvp_raises_naming_the_class_in_reverse_mode()
         jax.grad(lambda x: NotLinear.apply(x).sum())(jnp.ones(2))
 
 
+@pytest.mark.parametrize(
+    "jvp", [lambda ctx, t: t * t, lambda ctx, t: jnp.where(t > 0, t, 0.0)], ids=["product", "comparison"]
+)
+def test_jvp_only_with_a_nonlinear_jvp_says_what_is_not_linear(jvp):
+    # JAX's own report there is an internal assertion: empty, or a tuple of its accumulators.
+    class NotLinear(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x**2
+
+    NotLinear.jvp = staticmethod(jvp)
+    NotLinear = vjpkit.function(NotLinear)
+    message = (
+        "transposing it failed: JAX met an operation that is not linear in the tangents (such as a product "
+        "of two tangents, or a comparison or branch on one). Define NotLinear.backward(ctx, *grad_outputs) instead."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        jax.grad(lambda x: NotLinear.apply(x).sum())(jnp.ones(2))
+
+
 # ---------------------------------------------------------------------------
 # jvp misuse.
 
