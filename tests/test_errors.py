@@ -382,6 +382,20 @@ def test_forward_returning_no_array_raises():
         NoArray.apply(X)
 
 
+@pytest.mark.parametrize("jit", [True, False])
+def test_forward_without_a_return_statement_raises(jit):
+    class NoReturn(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            x * 2
+
+    NoReturn.jit = jit
+    NoReturn = vjpkit.function(NoReturn)
+    message = "NoReturn.forward returned None: a Function must return at least one array. Did forward forget"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        NoReturn.apply(X)
+
+
 def test_numpy_on_a_traced_array_raises_with_a_hint():
     class HostCode(vjpkit.Function):
         @staticmethod

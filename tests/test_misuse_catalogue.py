@@ -71,7 +71,7 @@ def test_every_pytorch_misuse_has_a_section():
     assert REQUIRED <= set(ENTRIES), sorted(REQUIRED - set(ENTRIES))
 
 
-_NAMES_THE_CLASS = re.compile(r"\b(Bad|Leaky|NoBackward|ReverseOnly|OnlyForward|Square|Empty|NoArray|HostCode|Mul|NoCtx|Kw|Exp)\b")
+_NAMES_THE_CLASS = re.compile(r"\b(Bad|Leaky|NoBackward|ReverseOnly|OnlyForward|Square|Empty|NoArray|NoReturn|HostCode|Mul|NoCtx|Kw|Exp)\b")
 
 
 @pytest.mark.parametrize("ident", sorted(set(ENTRIES) - {"unknown-decorator-option"}))
