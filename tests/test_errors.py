@@ -4,6 +4,7 @@ the method, the position, and expected vs got (design.md, "Errors").
 One test per misuse; each asserts the message.
 """
 
+import abc
 import re
 
 import jax
@@ -394,6 +395,45 @@ def test_forward_without_a_return_statement_raises(jit):
     message = "NoReturn.forward returned None: a Function must return at least one array. Did forward forget"
     with pytest.raises(TypeError, match=re.escape(message)):
         NoReturn.apply(X)
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, True])
+def test_cache_size_that_is_not_a_positive_int_raises_at_class_creation(size):
+    message = f"Tiny.cache_size must be a positive int (the number of compiled programs kept per class), got {size!r}."
+    with pytest.raises(ValueError, match=re.escape(message)):
+
+        class Tiny(vjpkit.Function):
+            cache_size = size
+
+            @staticmethod
+            def forward(ctx, x):
+                return x
+
+
+def test_cache_size_decorator_option_is_checked_too():
+    with pytest.raises(ValueError, match=r"Tiny\.cache_size must be a positive int .*got 0\."):
+
+        @vjpkit.function(cache_size=0)
+        class Tiny:
+            @staticmethod
+            def forward(ctx, x):
+                return x
+
+
+def test_decorating_an_abc_subclass_makes_a_function():
+    @vjpkit.function
+    class Double(abc.ABC):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    assert isinstance(Double, abc.ABCMeta)
+    assert jnp.array_equal(Double(X), 2 * X)
+    assert jnp.array_equal(jax.grad(lambda x: Double.apply(x).sum())(X), jnp.full(3, 2.0))
 
 
 def test_numpy_on_a_traced_array_raises_with_a_hint():

@@ -345,6 +345,19 @@ class Function(metaclass=_FunctionMeta):
 
 
 _OPTIONS = ("jit", "cache_size", "host", "vmap_method")
+_METACLASSES: dict[type, type] = {}
+
+
+def _metaclass_for(meta: type) -> type:
+    """``_FunctionMeta``, combined with the decorated class's own metaclass (``abc.ABCMeta``, ...)."""
+    if issubclass(meta, _FunctionMeta):
+        return meta
+    if issubclass(_FunctionMeta, meta):  # type itself
+        return _FunctionMeta
+    combined = _METACLASSES.get(meta)
+    if combined is None:
+        combined = _METACLASSES[meta] = type(f"Function{meta.__name__}", (_FunctionMeta, meta), {})
+    return combined
 
 
 def function(cls: type | None = None, /, **options: Any) -> Any:
@@ -383,6 +396,6 @@ def function(cls: type | None = None, /, **options: Any) -> Any:
         bases = tuple(b for b in cls.__bases__ if b is not object)
         if not any(issubclass(b, Function) for b in bases):
             bases = (*bases, Function)
-        return _FunctionMeta(cls.__name__, bases, namespace)
+        return _metaclass_for(type(cls))(cls.__name__, bases, namespace)
 
     return wrap if cls is None else wrap(cls)

@@ -48,7 +48,7 @@ class Spec:
         self.setup_context = _defined(cls, base, "setup_context")
         self.signature = Signature(self.name, self.forward, skip_first=self.setup_context is None)
         self.jit = bool(cls.jit)
-        self.cache_size = int(cls.cache_size)
+        self.cache_size = _cache_size(self.name, cls.cache_size)
         self.once_differentiable = is_once_differentiable(self.backward)
         if cls.host:
             _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
@@ -141,6 +141,16 @@ def linearizing() -> bool:
             return not getattr(trace, "is_vjp", True)
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def _cache_size(name: str, value: Any) -> int:
+    # At least one program: a cache that keeps none would drop the program it just made.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{name}.cache_size must be a positive int (the number of compiled programs kept "
+            f"per class), got {value!r}."
+        )
+    return value
 
 
 def _defined(cls: type, base: type, method: str) -> Callable | None:
