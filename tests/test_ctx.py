@@ -7,6 +7,8 @@ Expected gradients are written out or come from `jax.grad` of the same math
 in plain `jnp`.
 """
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,25 @@ def test_save_for_backward_last_call_wins():
             return 2 * x * g
 
     chex.assert_trees_all_close(jax.grad(lambda x: Square.apply(x).sum())(X), 2 * X)
+
+
+def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
+    # PyTorch's old name, still accepted there (with this warning) and common in ported code.
+    class Square(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_variables
+            return 2 * x * g
+
+    message = "Square.backward: 'saved_variables' is deprecated; use 'saved_tensors'"
+    with pytest.warns(DeprecationWarning, match=re.escape(message)):
+        got = jax.grad(lambda x: Square.apply(x).sum())(X)
+    chex.assert_trees_all_close(got, 2 * X)
 
 
 def test_saved_tensors_is_empty_when_nothing_was_saved():
