@@ -138,7 +138,7 @@ class FunctionCtx:
         warnings.warn(
             f"{self._vjpkit_name}.{self._vjpkit_method}: 'saved_variables' is deprecated; use 'saved_tensors'",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=3,  # the user's line (through __getattribute__)
         )
         return self.saved_tensors
 
