@@ -436,6 +436,33 @@ def test_decorating_an_abc_subclass_makes_a_function():
     assert jnp.array_equal(jax.grad(lambda x: Double.apply(x).sum())(X), jnp.full(3, 2.0))
 
 
+def test_apply_on_an_instance_works_with_a_deprecation_warning():
+    # PyTorch's legacy style: MyFunction().apply(x), which PyTorch only warns about.
+    class Double(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    message = "Double should not be instantiated. Methods on Functions are all static, so you should invoke them"
+    with pytest.warns(DeprecationWarning, match=re.escape(message)):
+        double = Double()
+    assert jnp.array_equal(double.apply(X), 2 * X)
+    assert jnp.array_equal(jax.grad(lambda x: double.apply(x).sum())(X), jnp.full(3, 2.0))
+
+
+def test_calling_a_function_without_inputs_still_calls_it():
+    class Constant(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, scale=2.0):
+            return jnp.full(3, scale)
+
+    assert jnp.array_equal(Constant(), jnp.full(3, 2.0))
+
+
 def test_numpy_on_a_traced_array_raises_with_a_hint():
     class HostCode(vjpkit.Function):
         @staticmethod

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
 
@@ -267,6 +268,17 @@ class _FunctionMeta(type):
         cls.apply = staticmethod(_make_apply(cache))
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs:
+            cache = cls.__dict__.get("_vjpkit_cache")
+            if cache is not None and cache.spec.takes_inputs:
+                # MyFunction().apply(x): PyTorch allows an instance, with this warning.
+                warnings.warn(
+                    f"{cls.__name__} should not be instantiated. Methods on Functions are all static, "
+                    f"so you should invoke them on the class itself ({cls.__name__}.apply(...)).",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                return super().__call__()
         return cls.apply(*args, **kwargs)
 
 

@@ -47,6 +47,8 @@ class Spec:
         self.jvp = _defined(cls, base, "jvp")
         self.setup_context = _defined(cls, base, "setup_context")
         self.signature = Signature(self.name, self.forward, skip_first=self.setup_context is None)
+        sig = self.signature
+        self.takes_inputs = any(name not in sig.defaults for name in (*sig.positional, *sig.keyword_only))
         self.jit = bool(cls.jit)
         self.cache_size = _cache_size(self.name, cls.cache_size)
         self.once_differentiable = is_once_differentiable(self.backward)
