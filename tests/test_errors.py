@@ -463,6 +463,80 @@ def test_calling_a_function_without_inputs_still_calls_it():
     assert jnp.array_equal(Constant(), jnp.full(3, 2.0))
 
 
+def _user_code_message(method: str, line: str) -> str:
+    # The message ends with the place in the user's code: this file, and the line's source.
+    return method + r".* At line \d+ of " + re.escape(__file__) + ": `" + re.escape(line) + "`"
+
+
+def test_item_of_a_traced_array_in_backward_names_the_line_and_the_jax_idiom():
+    class Clamp(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, alpha):
+            ctx.save_for_backward(alpha)
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            (alpha,) = ctx.saved_tensors
+            return jnp.clip(g, -alpha.item(), alpha.item()), None
+
+    start = re.escape(
+        "Clamp.backward converted a traced array to a Python number (.item(), float(), int() or an index). "
+        "backward runs while JAX traces, so its arrays have no values yet: keep the value an array "
+        "(jnp.clip(x, -alpha, alpha) takes array bounds"
+    )
+    line = "return jnp.clip(g, -alpha.item(), alpha.item()), None"
+    with pytest.raises(TypeError, match=start + _user_code_message("", line)):
+        jax.grad(lambda x: Clamp.apply(x, jnp.asarray(1.0)).sum())(X)
+
+
+def test_float_of_a_traced_array_in_forward_names_the_line():
+    class Scale(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * float(x.sum())
+
+    with pytest.raises(TypeError, match=_user_code_message(
+        re.escape("Scale.forward converted a traced array to a Python number"), "return x * float(x.sum())"
+    )):
+        Scale.apply(X)
+
+
+def test_python_if_on_a_traced_array_names_the_line_and_the_jax_idiom():
+    class Sign(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            if jnp.any(x > 0):
+                return x
+            return -x
+
+    start = re.escape(
+        "Sign.forward used a traced array as a Python bool (an if, while, and/or, or assert on an array's "
+        "value). forward runs while JAX traces, so its arrays have no values yet: select values with "
+        "jnp.where(condition, x, y), branch with jax.lax.cond, loop with jax.lax.while_loop."
+    )
+    with pytest.raises(TypeError, match=start + _user_code_message("", "if jnp.any(x > 0):")):
+        Sign.apply(X)
+
+
+def test_python_while_on_a_traced_array_in_jvp_names_the_method():
+    class Halve(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x / 2
+
+        @staticmethod
+        def jvp(ctx, t):
+            while jnp.max(jnp.abs(t)) > 1:
+                t = t / 2
+            return t
+
+    with pytest.raises(TypeError, match=_user_code_message(
+        re.escape("Halve.jvp used a traced array as a Python bool"), "while jnp.max(jnp.abs(t)) > 1:"
+    )):
+        jax.jvp(Halve.apply, (X,), (jnp.ones(3),))
+
+
 def test_numpy_on_a_traced_array_raises_with_a_hint():
     class HostCode(vjpkit.Function):
         @staticmethod

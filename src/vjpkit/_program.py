@@ -13,14 +13,23 @@ the ``custom_vjp`` rules (``_function.py``) and the forward-mode rule
 
 from __future__ import annotations
 
+import contextlib
+import linecache
+import os
 import sys
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import core as _core
 from jax._src.interpreters import ad as _ad
-from jax.errors import TracerArrayConversionError
+from jax.errors import (
+    ConcretizationTypeError,
+    TracerArrayConversionError,
+    TracerBoolConversionError,
+    TracerIntegerConversionError,
+)
 
 from . import _anomaly, _host, _jax_internals
 from ._args import Signature, split_residuals
@@ -94,6 +103,64 @@ def _path_in(e: Unkeyable, value: Any) -> str | None:
         if leaf is e.value:
             return jax.tree_util.keystr(path) + e.path
     return None
+
+
+# ---------------------------------------------------------------------------
+# A traced array's value asked for in the user's methods: vjpkit's message.
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (jax, jnp, np) if m.__file__
+) + (os.path.dirname(__file__) + os.sep,)
+
+
+@contextlib.contextmanager
+def naming_traced_values(owner: str, method: Callable[[], str]) -> Iterator[None]:
+    """Turns JAX's errors for a traced array used as a concrete value into vjpkit's.
+
+    ``method()`` names the user's method that was running. The user's methods
+    run while JAX traces, so their arrays have no values yet: NumPy calls,
+    ``.item()``/``float()``/``int()`` and a Python ``if`` on one fail there.
+    """
+    try:
+        yield
+    except TracerArrayConversionError as e:
+        name = method()
+        raise TypeError(
+            f"{owner}.{name} converted a traced JAX array to NumPy. {name} runs while "
+            "JAX traces, so its arrays are tracers, not concrete values: write it with jax.numpy, or "
+            f"declare the Function host-side (@vjpkit.function(host=True)) to run NumPy code.{_user_line(e)}"
+        ) from e
+    except TracerBoolConversionError as e:
+        name = method()
+        raise TypeError(
+            f"{owner}.{name} used a traced array as a Python bool (an if, while, and/or, or assert on "
+            f"an array's value). {name} runs while JAX traces, so its arrays have no "
+            "values yet: select values with jnp.where(condition, x, y), branch with jax.lax.cond, "
+            f"loop with jax.lax.while_loop.{_user_line(e)}"
+        ) from e
+    except (ConcretizationTypeError, TracerIntegerConversionError) as e:
+        name = method()
+        raise TypeError(
+            f"{owner}.{name} converted a traced array to a Python number (.item(), float(), int() or "
+            f"an index). {name} runs while JAX traces, so its arrays have no values "
+            "yet: keep the value an array (jnp.clip(x, -alpha, alpha) takes array bounds; jnp "
+            f"functions and arithmetic take arrays), or select values with jnp.where.{_user_line(e)}"
+        ) from e
+
+
+def _user_line(e: BaseException) -> str:
+    """Where in the user's code ``e`` was raised: the innermost frame outside JAX, NumPy and vjpkit."""
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    filename, line = found.tb_frame.f_code.co_filename, found.tb_lineno
+    source = linecache.getline(filename, line).strip()
+    return f" At line {line} of {filename}" + (f": `{source}`" if source else ".")
 
 
 # -- JAX internals (to move into _jax_internals.py, which another change owns now) --
@@ -249,16 +316,8 @@ class Program:
         spec = self.spec
         values = self.layout.combine(arrays)
         ctx = FunctionCtx(spec.name, needs, values)
-        try:
-            with closing(ctx):
-                out = call_forward(ctx, spec.signature, spec.forward, spec.setup_context, values)
-        except TracerArrayConversionError as e:
-            raise TypeError(
-                f"{spec.name}.{method_of(ctx)} converted a traced JAX array to "
-                "NumPy. forward runs while JAX traces, so its arrays are tracers, "
-                "not concrete values: write it with jax.numpy, or declare the "
-                f"Function host-side (@vjpkit.function(host=True)) to run NumPy code."
-            ) from e
+        with naming_traced_values(spec.name, lambda: method_of(ctx)), closing(ctx):
+            out = call_forward(ctx, spec.signature, spec.forward, spec.setup_context, values)
         dirty = {id(x) for x in forwarded(ctx).dirty}
         if dirty and any(id(leaf) in dirty for leaf in jax.tree_util.tree_leaves(out)):
             raise ValueError(
@@ -301,7 +360,7 @@ class Program:
         spec = self.spec
         assert spec.backward is not None  # run_backward is reached only when backward exists
         ctx = rule_ctx(spec.name, "backward", meta.needs, meta.layout.combine(res_arrays), meta.materialize)
-        with closing(ctx):
+        with naming_traced_values(spec.name, lambda: "backward"), closing(ctx):
             result = spec.backward(ctx, *grads)
         cotangents = check_backward_outputs(
             spec.name, result, self.param_treedefs, self.names, meta.in_kinds, meta.needs
