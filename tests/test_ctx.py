@@ -353,6 +353,56 @@ def test_ctx_attribute_holding_a_pytree_of_arrays_reaches_backward():
     chex.assert_trees_all_close(jax.grad(lambda x: Affine.apply(x).sum())(X), 4 * X)
 
 
+class _Holder:
+    def __init__(self, value):
+        self.value = value
+
+
+def _keeps(make_attribute):
+    class Keep(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.kept = make_attribute(x * 2)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * X
+
+    return Keep
+
+
+_HOLDS_AN_ARRAY = (
+    "Keep.forward: ctx.kept is a {owner} holding an array of shape (3,) and dtype float32 (at ctx.kept{inside}). "
+    "A ctx attribute that is not an array or a pytree of arrays travels to backward as static data, fixed "
+    "when JAX traces, so the arrays inside it do not. Store the array itself on ctx (ctx.kept_array = ...) "
+    "or save it with ctx.save_for_backward, and rebuild the {owner} in backward."
+)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "under-jit"])
+def test_ctx_attribute_object_holding_an_array_raises_eagerly_and_under_jit(jit):
+    Keep = _keeps(_Holder)
+    grad = jax.grad(lambda x: Keep.apply(x).sum())
+    message = _HOLDS_AN_ARRAY.format(owner="_Holder", inside=".value")
+    with pytest.raises(TypeError, match=re.escape(message)):
+        (jax.jit(grad) if jit else grad)(X)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "under-jit"])
+def test_ctx_attribute_closure_over_an_array_raises_eagerly_and_under_jit(jit):
+    Keep = _keeps(lambda y: (lambda: y))
+    grad = jax.grad(lambda x: Keep.apply(x).sum())
+    message = _HOLDS_AN_ARRAY.format(owner="function", inside=" (its closed-over 'y')")
+    with pytest.raises(TypeError, match=re.escape(message)):
+        (jax.jit(grad) if jit else grad)(X)
+
+
+def test_ctx_attribute_object_holding_python_values_reaches_backward():
+    Keep = _keeps(lambda y: _Holder(3.0))
+    chex.assert_trees_all_close(jax.grad(lambda x: Keep.apply(x).sum())(X), X)
+
+
 # ---------------------------------------------------------------------------
 # Output gradients: materialization and non-differentiable outputs
 

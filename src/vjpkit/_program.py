@@ -43,7 +43,7 @@ from ._outputs import (
     output_cotangents,
     pack_outputs,
 )
-from ._tree import Partition, Unkeyable, partition
+from ._tree import Partition, Unkeyable, find_tracer, partition
 
 
 class Spec:
@@ -95,6 +95,11 @@ class Spec:
             f"{self.name}.apply: static argument {name!r} ({owner}) is keyed by its contents, so that a "
             f"changed object gets a new program; but {problem}"
         )
+
+
+def _leaf_path(tree: Any, position: int) -> str:
+    """The key path of the leaf at ``position`` in ``tree``'s flattening."""
+    return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][position][0])
 
 
 def _path_in(e: Unkeyable, value: Any) -> str | None:
@@ -305,12 +310,33 @@ class Program:
         arrays = as_arrays(arrays)
         packed, out, ctx = self._forward(arrays, needs)
         left = forwarded(ctx, forward_mode)
+        self._check_static_attributes(left.carried.attributes, method_of(ctx))
         layout, res_arrays = split_residuals(left.carried)
         meta = ResidualMeta(
             layout, needs, differentiable_outputs(out, left.non_differentiable),
             tuple(_kind(a) for a in packed.arrays), left.materialize, self.input_kinds(arrays),
         )
         return packed, Residuals(res_arrays, meta)
+
+    def _check_static_attributes(self, attributes: dict, method: str) -> None:
+        """ctx attributes that travel as static data must hold no array of the trace."""
+        for name, value in attributes.items():
+            layout, _ = partition(value, is_array)
+            for position, leaf in layout.static:
+                found = find_tracer(leaf)
+                if found is None:
+                    continue
+                inner, tracer = found
+                leaf_path = _leaf_path(value, position)
+                owner = type(leaf).__name__
+                raise TypeError(
+                    f"{self.spec.name}.{method}: ctx.{name}{leaf_path} is a {owner} holding an array of "
+                    f"shape {tuple(tracer.shape)} and dtype {tracer.dtype} (at ctx.{name}{leaf_path}{inner}). "
+                    f"A ctx attribute that is not an array or a pytree of arrays travels to backward as "
+                    "static data, fixed when JAX traces, so the arrays inside it do not. Store the array "
+                    f"itself on ctx (ctx.{name}_array = ...) or save it with ctx.save_for_backward, and "
+                    f"rebuild the {owner} in backward."
+                )
 
     def _forward(self, arrays: tuple, needs: tuple) -> tuple[Packed, Any, FunctionCtx]:
         spec = self.spec

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import struct
-from typing import Any, Callable, Sequence
+import types
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -127,6 +129,53 @@ def _is_hashable(value: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def find_tracer(value: Any, path: str = "", limit: int = 10_000) -> tuple[str, Any] | None:
+    """The first JAX tracer inside a static value, and the path to it; None if it holds none.
+
+    Looks where Python objects keep values: containers, dataclass fields,
+    ``__dict__``, closures' cells, bound methods and ``functools.partial``.
+    Why: such a value travels as static data, fixed when JAX traces, so an
+    array of the trace inside it is gone by the time it is used.
+    """
+    seen: set = set()
+    stack = [(value, path)]
+    while stack and len(seen) < limit:
+        value, path = stack.pop()
+        if isinstance(value, jax.core.Tracer):
+            return path, value
+        if id(value) in seen or isinstance(value, (type, types.ModuleType, str, bytes, int, float, complex)):
+            continue
+        seen.add(id(value))
+        stack.extend(reversed(list(_parts(value, path))))
+    return None
+
+
+def _parts(value: Any, path: str) -> Iterator[tuple[Any, str]]:
+    if isinstance(value, (list, tuple)):
+        yield from ((v, f"{path}[{i}]") for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        yield from ((v, f"{path}[{k!r}]") for k, v in value.items())
+    elif isinstance(value, (set, frozenset)):
+        yield from ((v, f"{path}{{...}}") for v in value)
+    elif isinstance(value, functools.partial):
+        yield value.func, f"{path}.func"
+        yield from ((v, f"{path}.args[{i}]") for i, v in enumerate(value.args))
+        yield from ((v, f"{path}.keywords[{k!r}]") for k, v in value.keywords.items())
+    elif isinstance(value, types.MethodType):
+        yield value.__self__, f"{path}.__self__"
+    elif isinstance(value, types.FunctionType):
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or (), strict=True):
+            try:
+                yield cell.cell_contents, f"{path} (its closed-over {name!r})"
+            except ValueError:  # an empty cell
+                continue
+    else:
+        if dataclasses.is_dataclass(value) and not hasattr(value, "__dict__"):
+            yield from ((getattr(value, f.name), f"{path}.{f.name}") for f in dataclasses.fields(value))
+        elif hasattr(value, "__dict__"):
+            yield from ((v, f"{path}.{k}") for k, v in vars(value).items())
 
 
 class Partition:
