@@ -28,7 +28,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import _anomaly, _jax_internals
 from ._ctx import _short_repr, closing, is_array, rule_ctx
 from ._outputs import Packed, is_differentiable_dtype
-from ._program import Program, Residuals, as_arrays, naming_traced_values
+from ._program import Program, Residuals, as_arrays, naming_traced_values, profiled
 
 
 def forward_mode_function(program: Program) -> Any:
@@ -108,7 +108,7 @@ class _Rule:
             if t is None and meta.materialize and is_differentiable_dtype(self.in_avals[d][1]):
                 tangent_leaves[d] = jnp.zeros(*self.in_avals[d])
         ctx = rule_ctx(self.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
-        with naming_traced_values(self.name, lambda: "jvp"), closing(ctx):
+        with naming_traced_values(self.name, lambda: "jvp"), closing(ctx), profiled(self.name, "jvp"):
             result = self.spec.jvp(ctx, *program.layout.combine(tangent_leaves, keep_static=False))
         tangents_out = self._check_jvp_outputs(result)
         if program.anomaly:
