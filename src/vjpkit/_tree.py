@@ -54,11 +54,15 @@ class Unkeyable(TypeError):
         self.reason = reason
 
 
+_DOUBLE = struct.Struct("<d").pack
+_DOUBLES = struct.Struct("<dd").pack
+
+
 def _number_key(value: Any) -> Any:
     # By bits: -0.0 is not 0.0 (1 / x tells them apart), and nan equals itself.
     if type(value) is float:
-        return (float, struct.pack("<d", value))
-    return (complex, struct.pack("<dd", value.real, value.imag))
+        return (float, _DOUBLE(value))
+    return (complex, _DOUBLES(value.real, value.imag))
 
 
 def static_key(value: Any, by_value: bool = False) -> Any:
@@ -67,13 +71,16 @@ def static_key(value: Any, by_value: bool = False) -> Any:
     Floats are keyed by their bits. An unhashable value is keyed by identity,
     or with ``by_value`` by a fingerprint of its contents (``fingerprint``).
     """
-    if type(value) is float or type(value) is complex:
+    kind = type(value)
+    if kind is float:
+        return (float, _DOUBLE(value))
+    if kind is complex:
         return _number_key(value)
     try:
         hash(value)
     except TypeError:
         return fingerprint(value) if by_value else _ById(value)
-    return (type(value), value)
+    return (kind, value)
 
 
 def fingerprint(value: Any) -> Any:
