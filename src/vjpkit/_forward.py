@@ -61,7 +61,7 @@ class _Rule:
         program, spec = self.program, self.spec
         arrays = as_arrays(primals)
         perturbed = [type(t) is not SymbolicZero for t in tangents]
-        tangents = [t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents]
+        tangents = tuple(t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents)
         needs = program.needs_input_grad(perturbed, arrays)
         perturbed = [
             p and is_differentiable_dtype(jnp.result_type(x)) for p, x in zip(perturbed, arrays, strict=True)

@@ -196,7 +196,7 @@ def called_from_linearize(max_depth: int = 32) -> bool:
     """
     if _LINEARIZE_CUSTOM_VJP_CODE is None:
         return False
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return False
