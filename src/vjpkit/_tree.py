@@ -104,6 +104,7 @@ def _fingerprint(root: Any, value: Any, path: str, open_ids: set) -> Any:
         raise Unkeyable(root, path, value, "cycle")
     open_ids.add(id(value))
     try:
+        parts: Any
         if isinstance(value, (list, tuple)):
             parts = tuple(_fingerprint(root, v, f"{path}[{i}]", open_ids) for i, v in enumerate(value))
         elif isinstance(value, dict):
