@@ -9,6 +9,8 @@ Expected gradients are written out or come from `jax.grad` of the same math
 in plain `jnp`.
 """
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -76,6 +78,25 @@ def test_save_for_backward_last_call_wins():
             return 2 * x * g
 
     chex.assert_trees_all_close(jax.grad(lambda x: Square.apply(x).sum())(X), 2 * X)
+
+
+def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
+    # PyTorch's old name, still accepted there (with this warning) and common in ported code.
+    class Square(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_variables
+            return 2 * x * g
+
+    message = "Square.backward: 'saved_variables' is deprecated; use 'saved_tensors'"
+    with pytest.warns(DeprecationWarning, match=re.escape(message)):
+        got = jax.grad(lambda x: Square.apply(x).sum())(X)
+    chex.assert_trees_all_close(got, 2 * X)
 
 
 def test_saved_tensors_is_empty_when_nothing_was_saved():
@@ -335,6 +356,56 @@ def test_ctx_attribute_holding_a_pytree_of_arrays_reaches_backward():
     chex.assert_trees_all_close(jax.grad(lambda x: Affine.apply(x).sum())(X), 4 * X)
 
 
+class _Holder:
+    def __init__(self, value):
+        self.value = value
+
+
+def _keeps(make_attribute):
+    class Keep(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.kept = make_attribute(x * 2)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * X
+
+    return Keep
+
+
+_HOLDS_AN_ARRAY = (
+    "Keep.forward: ctx.kept is a {owner} holding an array of shape (3,) and dtype float32 (at ctx.kept{inside}). "
+    "A ctx attribute that is not an array or a pytree of arrays travels to backward as static data, fixed "
+    "when JAX traces, so the arrays inside it do not. Store the array itself on ctx (ctx.kept_array = ...) "
+    "or save it with ctx.save_for_backward, and rebuild the {owner} in backward."
+)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "under-jit"])
+def test_ctx_attribute_object_holding_an_array_raises_eagerly_and_under_jit(jit):
+    Keep = _keeps(_Holder)
+    grad = jax.grad(lambda x: Keep.apply(x).sum())
+    message = _HOLDS_AN_ARRAY.format(owner="_Holder", inside=".value")
+    with pytest.raises(TypeError, match=re.escape(message)):
+        (jax.jit(grad) if jit else grad)(X)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "under-jit"])
+def test_ctx_attribute_closure_over_an_array_raises_eagerly_and_under_jit(jit):
+    Keep = _keeps(lambda y: (lambda: y))
+    grad = jax.grad(lambda x: Keep.apply(x).sum())
+    message = _HOLDS_AN_ARRAY.format(owner="function", inside=" (its closed-over 'y')")
+    with pytest.raises(TypeError, match=re.escape(message)):
+        (jax.jit(grad) if jit else grad)(X)
+
+
+def test_ctx_attribute_object_holding_python_values_reaches_backward():
+    Keep = _keeps(lambda y: _Holder(3.0))
+    chex.assert_trees_all_close(jax.grad(lambda x: Keep.apply(x).sum())(X), X)
+
+
 # ---------------------------------------------------------------------------
 # Output gradients: materialization and non-differentiable outputs
 
@@ -421,6 +492,41 @@ def test_non_differentiable_output_keeps_its_value():
     SinCos = _sin_cos([], mark=True)
     s, c = SinCos.apply(X)
     chex.assert_trees_all_close((s, c), (jnp.sin(X), jnp.cos(X)))
+
+
+def _nearest_code(mark: bool):
+    class NearestCode(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, codebook):
+            distances = jnp.abs(x[:, None] - codebook[None, :])
+            codes = jnp.argmin(distances, axis=1)
+            if mark:  # a float output declared non-differentiable
+                codes = codes.astype(x.dtype)
+                ctx.mark_non_differentiable(codes)
+            return codes
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("backward must not be called: no output carries a gradient")
+
+    return NearestCode
+
+
+@pytest.mark.parametrize("mark", [False, True], ids=["integer-output", "marked-output"])
+def test_backward_is_not_called_when_no_output_carries_a_gradient(mark):
+    NearestCode = _nearest_code(mark)
+    codebook = jnp.array([0.0, 1.0, -1.0])
+    codes, vjp = jax.vjp(NearestCode.apply, X, codebook)
+    chex.assert_trees_all_close(codes.astype(jnp.int32), jnp.array([0, 2, 1]))
+    gx, gc = vjp(jnp.ones_like(codes))
+    chex.assert_trees_all_close((gx, gc), (jnp.zeros(3), jnp.zeros(3)))
+
+
+def test_grad_through_an_unused_non_differentiable_function_is_zero():
+    NearestCode = _nearest_code(mark=True)
+    codebook = jnp.array([0.0, 1.0, -1.0])
+    got = jax.jit(jax.grad(lambda x: (NearestCode.apply(x, codebook) * x).sum()))(X)
+    chex.assert_trees_all_close(got, jnp.array([0.0, 2.0, 1.0]))  # only through the product's x
 
 
 # ---------------------------------------------------------------------------

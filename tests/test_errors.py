@@ -4,6 +4,7 @@ the method, the position, and expected vs got.
 One test per misuse; each asserts the message.
 """
 
+import abc
 import re
 
 import jax
@@ -300,16 +301,19 @@ def test_jvp_of_a_checkpointed_function_without_jvp_raises():
         jax.jvp(jax.checkpoint(f), (X,), (jnp.ones(3),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jax.linearize traces the custom_vjp's forward rule like jax.vjp does; "
-    "the linear map fails later, in JAX's own custom_lin, without the class name",
-)
 def test_linearize_of_a_function_without_jvp_raises():
     f = _reverse_only().apply
     with pytest.raises(TypeError, match=NO_JVP):
         _, f_jvp = jax.linearize(f, X)
         f_jvp(jnp.ones(3))
+
+
+def test_linearize_after_grad_of_the_same_function_raises_and_grad_still_works():
+    f = _reverse_only().apply
+    expected = jax.grad(lambda x: f(x).sum())(X)
+    with pytest.raises(TypeError, match=NO_JVP):
+        jax.linearize(f, X)
+    assert jnp.array_equal(jax.grad(lambda x: f(x).sum())(X), expected)
 
 
 def test_jvp_after_grad_of_the_same_function_still_raises():
@@ -393,6 +397,160 @@ def test_forward_returning_no_array_raises():
 
     with pytest.raises(TypeError, match=r"NoArray\.forward returned no array \('done'\)"):
         NoArray.apply(X)
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_forward_without_a_return_statement_raises(jit):
+    class NoReturn(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            x * 2
+
+    NoReturn.jit = jit
+    NoReturn = vjpkit.function(NoReturn)
+    message = "NoReturn.forward returned None: a Function must return at least one array. Did forward forget"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        NoReturn.apply(X)
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, True])
+def test_cache_size_that_is_not_a_positive_int_raises_at_class_creation(size):
+    message = f"Tiny.cache_size must be a positive int (the number of compiled programs kept per class), got {size!r}."
+    with pytest.raises(ValueError, match=re.escape(message)):
+
+        class Tiny(vjpkit.Function):
+            cache_size = size
+
+            @staticmethod
+            def forward(ctx, x):
+                return x
+
+
+def test_cache_size_decorator_option_is_checked_too():
+    with pytest.raises(ValueError, match=r"Tiny\.cache_size must be a positive int .*got 0\."):
+
+        @vjpkit.function(cache_size=0)
+        class Tiny:
+            @staticmethod
+            def forward(ctx, x):
+                return x
+
+
+def test_decorating_an_abc_subclass_makes_a_function():
+    @vjpkit.function
+    class Double(abc.ABC):  # noqa: B024 - an ABC without abstract methods, as ported code has
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    assert isinstance(Double, abc.ABCMeta)
+    assert jnp.array_equal(Double(X), 2 * X)
+    assert jnp.array_equal(jax.grad(lambda x: Double.apply(x).sum())(X), jnp.full(3, 2.0))
+
+
+def test_apply_on_an_instance_works_with_a_deprecation_warning():
+    # PyTorch's legacy style: MyFunction().apply(x), which PyTorch only warns about.
+    class Double(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    message = "Double should not be instantiated. Methods on Functions are all static, so you should invoke them"
+    with pytest.warns(DeprecationWarning, match=re.escape(message)):
+        double = Double()
+    assert jnp.array_equal(double.apply(X), 2 * X)
+    assert jnp.array_equal(jax.grad(lambda x: double.apply(x).sum())(X), jnp.full(3, 2.0))
+
+
+def test_calling_a_function_without_inputs_still_calls_it():
+    class Constant(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, scale=2.0):
+            return jnp.full(3, scale)
+
+    assert jnp.array_equal(Constant(), jnp.full(3, 2.0))
+
+
+def _user_code_message(method: str, line: str) -> str:
+    # The message ends with the place in the user's code: this file, and the line's source.
+    return method + r".* At line \d+ of " + re.escape(__file__) + ": `" + re.escape(line) + "`"
+
+
+def test_item_of_a_traced_array_in_backward_names_the_line_and_the_jax_idiom():
+    class Clamp(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, alpha):
+            ctx.save_for_backward(alpha)
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            (alpha,) = ctx.saved_tensors
+            return jnp.clip(g, -alpha.item(), alpha.item()), None
+
+    start = re.escape(
+        "Clamp.backward converted a traced array to a Python number (.item(), float(), int() or an index). "
+        "backward runs while JAX traces, so its arrays have no values yet: keep the value an array "
+        "(jnp.clip(x, -alpha, alpha) takes array bounds"
+    )
+    line = "return jnp.clip(g, -alpha.item(), alpha.item()), None"
+    with pytest.raises(TypeError, match=start + _user_code_message("", line)):
+        jax.grad(lambda x: Clamp.apply(x, jnp.asarray(1.0)).sum())(X)
+
+
+def test_float_of_a_traced_array_in_forward_names_the_line():
+    class Scale(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * float(x.sum())
+
+    with pytest.raises(TypeError, match=_user_code_message(
+        re.escape("Scale.forward converted a traced array to a Python number"), "return x * float(x.sum())"
+    )):
+        Scale.apply(X)
+
+
+def test_python_if_on_a_traced_array_names_the_line_and_the_jax_idiom():
+    class Sign(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            if jnp.any(x > 0):
+                return x
+            return -x
+
+    start = re.escape(
+        "Sign.forward used a traced array as a Python bool (an if, while, and/or, or assert on an array's "
+        "value). forward runs while JAX traces, so its arrays have no values yet: select values with "
+        "jnp.where(condition, x, y), branch with jax.lax.cond, loop with jax.lax.while_loop."
+    )
+    with pytest.raises(TypeError, match=start + _user_code_message("", "if jnp.any(x > 0):")):
+        Sign.apply(X)
+
+
+def test_python_while_on_a_traced_array_in_jvp_names_the_method():
+    class Halve(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x / 2
+
+        @staticmethod
+        def jvp(ctx, t):
+            while jnp.max(jnp.abs(t)) > 1:
+                t = t / 2
+            return t
+
+    with pytest.raises(TypeError, match=_user_code_message(
+        re.escape("Halve.jvp used a traced array as a Python bool"), "while jnp.max(jnp.abs(t)) > 1:"
+    )):
+        jax.jvp(Halve.apply, (X,), (jnp.ones(3),))
 
 
 def test_numpy_on_a_traced_array_raises_with_a_hint():

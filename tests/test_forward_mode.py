@@ -4,6 +4,7 @@ Every expected value is JAX autodiff of the same math written in plain jnp.
 """
 
 import collections
+import re
 
 import chex
 import jax
@@ -361,6 +362,26 @@ def test_jvp_only_with_a_nonlinear_jvp_raises_naming_the_class_in_reverse_mode()
         jax.grad(lambda x: NotLinear.apply(x).sum())(jnp.ones(2))
 
 
+@pytest.mark.parametrize(
+    "jvp", [lambda ctx, t: t * t, lambda ctx, t: jnp.where(t > 0, t, 0.0)], ids=["product", "comparison"]
+)
+def test_jvp_only_with_a_nonlinear_jvp_says_what_is_not_linear(jvp):
+    # JAX's own report there is an internal assertion: empty, or a tuple of its accumulators.
+    class NotLinear(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x**2
+
+    NotLinear.jvp = staticmethod(jvp)
+    NotLinear = vjpkit.function(NotLinear)
+    message = (
+        "transposing it failed: JAX met an operation that is not linear in the tangents (such as a product "
+        "of two tangents, or a comparison or branch on one). Define NotLinear.backward(ctx, *grad_outputs) instead."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        jax.grad(lambda x: NotLinear.apply(x).sum())(jnp.ones(2))
+
+
 # ---------------------------------------------------------------------------
 # jvp misuse.
 
@@ -392,6 +413,24 @@ def test_jvp_returning_a_wrong_shape_raises_naming_the_class():
     with pytest.raises(ValueError, match=r"BadShape\.jvp returned a tangent of shape \(5,\) for output 0: expected "
                                          r"shape \(2,\)"):
         jax.jvp(BadShape.apply, (jnp.ones(2),), (jnp.ones(2),))
+
+
+def test_jvp_returning_a_complex_tangent_for_a_real_output_raises():
+    # As backward's complex gradient for a real input does: no silent cast to the real part.
+    class Complexify(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def jvp(ctx, t):
+            return 2 * t * (1 + 1j)
+
+    with pytest.raises(TypeError, match=re.escape(
+        "Complexify.jvp returned a complex tangent (complex64) for output 0, which is real (float32): "
+        "expected dtype float32. Take the real part explicitly if that is what you mean."
+    )):
+        jax.jvp(Complexify.apply, (jnp.ones(2),), (jnp.ones(2),))
 
 
 def test_backward_only_function_still_raises_naming_the_class_in_forward_mode():

@@ -76,7 +76,7 @@ def test_every_pytorch_misuse_has_a_section():
 
 
 _NAMES_THE_CLASS = re.compile(
-    r"\b(Bad|Leaky|NoBackward|ReverseOnly|OnlyForward|Square|Empty|NoArray|HostCode|Mul|NoCtx|Kw|Exp)\b"
+    r"\b(Bad|Leaky|NoBackward|ReverseOnly|OnlyForward|Square|Empty|NoArray|NoReturn|HostCode|Mul|NoCtx|Kw|Exp)\b"
 )
 
 

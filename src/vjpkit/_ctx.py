@@ -9,6 +9,7 @@ module writes a ctx's internal slots.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
@@ -130,6 +131,16 @@ class FunctionCtx:
         """What ``save_for_backward`` saved (in ``jvp``: ``save_for_forward``)."""
         self._check_open("saved_tensors")
         return self._vjpkit_saved_forward if self._vjpkit_in_jvp else self._vjpkit_saved
+
+    @property
+    def saved_variables(self) -> tuple:
+        """PyTorch's old name of ``saved_tensors``: accepted with PyTorch's deprecation warning."""
+        warnings.warn(
+            f"{self._vjpkit_name}.{self._vjpkit_method}: 'saved_variables' is deprecated; use 'saved_tensors'",
+            DeprecationWarning,
+            stacklevel=3,  # the user's line (through __getattribute__)
+        )
+        return self.saved_tensors
 
     # -- flags -----------------------------------------------------------
 

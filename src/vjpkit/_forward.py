@@ -28,7 +28,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import _anomaly, _jax_internals, _sharding
 from ._ctx import _short_repr, closing, is_array, rule_ctx
 from ._outputs import Packed, is_differentiable_dtype
-from ._program import Program, Residuals
+from ._program import Program, Residuals, as_arrays, naming_traced_values, profiled
 
 
 def forward_mode_function(program: Program) -> Any:
@@ -59,8 +59,9 @@ class _Rule:
 
     def run(self, primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
         program, spec = self.program, self.spec
-        arrays = tuple(primals)
+        arrays = as_arrays(primals)
         perturbed = [type(t) is not SymbolicZero for t in tangents]
+        tangents = tuple(t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents)
         needs = program.needs_input_grad(perturbed, arrays)
         perturbed = [
             p and is_differentiable_dtype(jnp.result_type(x)) for p, x in zip(perturbed, arrays, strict=True)
@@ -112,7 +113,7 @@ class _Rule:
                 tangent_leaves[d] = jnp.zeros(*self.in_avals[d])
         ctx = rule_ctx(self.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
         try:
-            with closing(ctx):
+            with naming_traced_values(self.name, lambda: "jvp"), closing(ctx), profiled(self.name, "jvp"):
                 result = self.spec.jvp(ctx, *program.layout.combine(tangent_leaves, keep_static=False))
         except _sharding.sharding_type_errors() as e:
             raise _sharding.forward_sharding_error(self.name, "jvp", e) from None
@@ -189,6 +190,12 @@ class _Rule:
                 raise ValueError(
                     f"{name}.jvp returned a tangent of shape {tuple(t.shape)} for "
                     f"output {j}: expected shape {shape}."
+                )
+            if jnp.issubdtype(t.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+                raise TypeError(
+                    f"{name}.jvp returned a complex tangent ({t.dtype}) for output {j}, "
+                    f"which is real ({dtype}): expected dtype {dtype}. Take the real part "
+                    "explicitly if that is what you mean."
                 )
             tangents.append(t if t.dtype == dtype else t.astype(dtype))
         return tangents

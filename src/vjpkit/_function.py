@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import operator
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
 
@@ -29,8 +30,8 @@ from ._caches import on_clear
 from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
 from ._outputs import Packed
-from ._program import Program, Residuals, Spec
-from ._tree import Partition, partition, static_key
+from ._program import Program, Residuals, Spec, called_from_linearize, linearizing
+from ._tree import Partition, Unkeyable, static_key
 
 
 class CacheInfo(NamedTuple):
@@ -88,7 +89,7 @@ class _Program(Program):
                 "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
                 "jax.jacfwd)."
             )
-        if _jax_internals.called_from_forward_mode():
+        if _jax_internals.called_from_forward_mode() or called_from_linearize():
             raise _no_forward_mode(spec)
         arrays = tuple(p.value for p in primals)
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
@@ -238,7 +239,7 @@ class _Cache:
         """
         spec = self.spec
         values = spec.signature.bind(args, kwargs)
-        layout, _ = partition(values, is_array)
+        layout, _ = spec.partition_arguments(values)
         key = ("detect_anomaly", layout.key) if anomaly else layout.key
         leaves = _call_leaves(args, kwargs)
         path = [(self.shapes[anomaly], (*map(type, args), *kwargs))]  # (table, key) down to the route
@@ -270,7 +271,7 @@ class _Cache:
                 path[1] = (table, shape_key)
             if not shape.routes:
                 shape.static_at = tuple(i for i, x in enumerate(leaves) if not is_array(x))
-            statics = tuple(static_key(leaves[i]) for i in shape.static_at)
+            statics = tuple(static_key(leaves[i], True) for i in shape.static_at)
             shape.routes[statics] = (entry, pick)
             entry.routes.append((*path, (shape.routes, statics)))
             if len(entry.routes) > _SHAPES_PER_PROGRAM:
@@ -333,6 +334,9 @@ def _clear_function_caches() -> None:
 
 def _run_in_trace(entry: _Entry, arrays: Any) -> Any:
     """A call while JAX traces (or of a ``jit = False`` class)."""
+    spec = entry.program.spec
+    if spec.jvp is None and linearizing():  # JAX may reuse a forward rule traced for reverse mode
+        raise _no_forward_mode(spec)
     if entry.jitted is None or _jax_internals.is_staging():
         # Under an outer jit (or scan, checkpoint, ...) the custom_vjp inlines
         # into the caller's program; jit=False runs op by op.
@@ -352,6 +356,16 @@ def _reraise(spec: Spec, program: _Program, e: Exception) -> None:
         _anomaly.reraise_anomaly(e)
 
 
+def _statics(leaves: Any, static_at: tuple) -> Any:
+    """The key of a call's static leaves (by value); None when one cannot be keyed (the slow path says why)."""
+    if not static_at:
+        return ()
+    try:
+        return tuple([static_key(leaves[i], True) for i in static_at])
+    except Unkeyable:
+        return None
+
+
 def _make_apply(cache: _Cache) -> Callable:
     spec = cache.spec
     shapes = cache.shapes
@@ -368,9 +382,7 @@ def _make_apply(cache: _Cache) -> Callable:
         if shape is not None and shape.nested:  # pytree arguments: their structure and leaf types
             leaves, treedef = flatten(leaves)
             shape = shape.routes.get((treedef, *map(type, leaves)))
-        route = None if shape is None else shape.routes.get(
-            tuple([static_key(leaves[i]) for i in shape.static_at]) if shape.static_at else ()
-        )
+        route = None if shape is None else shape.routes.get(_statics(leaves, shape.static_at))
         if route is None:
             entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
         else:
@@ -413,6 +425,17 @@ class _FunctionMeta(type):
         cls.apply = staticmethod(_make_apply(cache))
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs:
+            cache = cls.__dict__.get("_vjpkit_cache")
+            if cache is not None and cache.spec.takes_inputs:
+                # MyFunction().apply(x): PyTorch allows an instance, with this warning.
+                warnings.warn(
+                    f"{cls.__name__} should not be instantiated. Methods on Functions are all static, "
+                    f"so you should invoke them on the class itself ({cls.__name__}.apply(...)).",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                return super().__call__()
         return cls.apply(*args, **kwargs)
 
 
@@ -491,6 +514,19 @@ class Function(metaclass=_FunctionMeta):
 
 
 _OPTIONS = ("jit", "cache_size", "host", "vmap_method")
+_METACLASSES: dict[type, type] = {}
+
+
+def _metaclass_for(meta: type) -> type:
+    """``_FunctionMeta``, combined with the decorated class's own metaclass (``abc.ABCMeta``, ...)."""
+    if issubclass(meta, _FunctionMeta):
+        return meta
+    if issubclass(_FunctionMeta, meta):  # type itself
+        return _FunctionMeta
+    combined = _METACLASSES.get(meta)
+    if combined is None:
+        combined = _METACLASSES[meta] = type(f"Function{meta.__name__}", (_FunctionMeta, meta), {})
+    return combined
 
 
 def function(cls: type | None = None, /, **options: Any) -> Any:
@@ -529,6 +565,6 @@ def function(cls: type | None = None, /, **options: Any) -> Any:
         bases = tuple(b for b in cls.__bases__ if b is not object)
         if not any(issubclass(b, Function) for b in bases):
             bases = (*bases, Function)
-        return _FunctionMeta(cls.__name__, bases, namespace)
+        return _metaclass_for(type(cls))(cls.__name__, bases, namespace)
 
     return wrap if cls is None else wrap(cls)

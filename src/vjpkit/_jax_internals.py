@@ -177,11 +177,27 @@ def _transpose_by_jax(apply: Callable, name: str, in_avals: Sequence[Any]) -> Ca
                 f"{name} defines jvp but no backward, so reverse mode (jax.grad, "
                 f"jax.vjp, jax.jacrev) transposes {name}.jvp, which must then be "
                 "linear in the tangents and written in transposable JAX "
-                f"operations; transposing it failed: {e}. Define "
+                f"operations; transposing it failed: {_transpose_failure(e)}. Define "
                 f"{name}.backward(ctx, *grad_outputs) instead."
             ) from e
 
     return transposed
+
+
+def _transpose_failure(e: Exception) -> str:
+    """What JAX's failed transpose says, or what it means where JAX says nothing useful.
+
+    Why: a product of two tangents, or a comparison of one, fails an internal
+    assertion of JAX's transpose, whose text is empty or a tuple of JAX's
+    accumulator objects. (harden: belongs with ``_transpose_by_jax``.)
+    """
+    text = str(e).strip()
+    if isinstance(e, AssertionError) or not text:
+        return (
+            "JAX met an operation that is not linear in the tangents (such as a product of "
+            "two tangents, or a comparison or branch on one)"
+        )
+    return text
 
 
 def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name):

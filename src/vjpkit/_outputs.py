@@ -47,6 +47,11 @@ jax.tree_util.register_dataclass(Packed, data_fields=["arrays"], meta_fields=["l
 
 
 def pack_outputs(owner: str, out: Any) -> Packed:
+    if out is None:
+        raise TypeError(
+            f"{owner}.forward returned None: a Function must return at least one array. "
+            "Did forward forget its return statement?"
+        )
     layout, arrays = partition(out, is_array)
     if not arrays and layout.static:
         raise TypeError(

@@ -13,15 +13,27 @@ the ``custom_vjp`` rules (``_function.py``) and the forward-mode rule
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+import contextlib
+import linecache
+import os
+import sys
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.errors import TracerArrayConversionError
+import numpy as np
+from jax._src import core as _core
+from jax._src.interpreters import ad as _ad
+from jax.errors import (
+    ConcretizationTypeError,
+    TracerArrayConversionError,
+    TracerBoolConversionError,
+    TracerIntegerConversionError,
+)
 
 from . import _anomaly, _host, _jax_internals, _sharding
 from ._args import Signature, split_residuals
-from ._ctx import FunctionCtx, call_forward, closing, forwarded, method_of, rule_ctx
+from ._ctx import FunctionCtx, call_forward, closing, forwarded, is_array, method_of, rule_ctx
 from ._once import call_without_derivative, is_once_differentiable
 from ._outputs import (
     Packed,
@@ -31,7 +43,7 @@ from ._outputs import (
     output_cotangents,
     pack_outputs,
 )
-from ._tree import Partition
+from ._tree import Partition, Unkeyable, find_tracer, partition
 
 
 class Spec:
@@ -44,11 +56,184 @@ class Spec:
         self.jvp = _defined(cls, base, "jvp")
         self.setup_context = _defined(cls, base, "setup_context")
         self.signature = Signature(self.name, self.forward, skip_first=self.setup_context is None)
+        sig = self.signature
+        self.takes_inputs = any(name not in sig.defaults for name in (*sig.positional, *sig.keyword_only))
         self.jit = bool(cls.jit)
-        self.cache_size = int(cls.cache_size)
+        self.cache_size = _cache_size(self.name, cls.cache_size)
         self.once_differentiable = is_once_differentiable(self.backward)
         if cls.host:
             _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
+
+
+    def partition_arguments(self, values: tuple) -> tuple[Partition, list]:
+        """The bound arguments split into the static part (keyed by value) and the arrays."""
+        try:
+            return partition(values, is_array, by_value=True)
+        except Unkeyable as e:
+            raise self._unkeyable(values, e) from None
+
+    def _unkeyable(self, values: tuple, e: Unkeyable) -> TypeError:
+        holder = next(i for i, v in enumerate(values) if _path_in(e, v) is not None)
+        name = self.signature.names(len(values))[holder]
+        where = f"{name}{_path_in(e, values[holder])}"
+        culprit, owner = e.culprit, type(e.value).__name__
+        if e.reason == "array":
+            problem = (
+                f"{where} is an array (shape {tuple(culprit.shape)}, dtype {culprit.dtype}), which cannot be "
+                "part of a compile-cache key. Pass the array as an argument of its own (arrays are traced), "
+                f"or hold Python values (floats, tuples) in the {owner} instead."
+            )
+        else:
+            kind = type(culprit).__name__
+            problem = (
+                f"{where} is an unhashable {kind} "
+                f"{'that refers back to itself' if e.reason == 'cycle' else 'with no fields to compare'}. "
+                f"Make {kind} hashable (define __eq__ and __hash__, or use @dataclass(frozen=True)) "
+                "to key it by its own equality."
+            )
+        return TypeError(
+            f"{self.name}.apply: static argument {name!r} ({owner}) is keyed by its contents, so that a "
+            f"changed object gets a new program; but {problem}"
+        )
+
+
+def _leaf_path(tree: Any, position: int) -> str:
+    """The key path of the leaf at ``position`` in ``tree``'s flattening."""
+    return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][position][0])
+
+
+def _path_in(e: Unkeyable, value: Any) -> str | None:
+    """Where in the argument ``value`` the unkeyable part is (None if elsewhere)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if leaf is e.value:
+            return jax.tree_util.keystr(path) + e.path
+    return None
+
+
+def profiled(owner: str, method: str) -> Any:
+    """A named scope ``Owner.method`` around a user's method: its ops carry the name in profiles.
+
+    JAX records the scope in each op's ``op_name`` metadata, which profilers
+    (TensorBoard, Perfetto) and the compiled HLO show; it costs nothing at run time.
+    """
+    return jax.named_scope(f"{owner}.{method}")
+
+
+# ---------------------------------------------------------------------------
+# A traced array's value asked for in the user's methods: vjpkit's message.
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (jax, jnp, np) if m.__file__
+) + (os.path.dirname(__file__) + os.sep,)
+
+
+@contextlib.contextmanager
+def naming_traced_values(owner: str, method: Callable[[], str]) -> Iterator[None]:
+    """Turns JAX's errors for a traced array used as a concrete value into vjpkit's.
+
+    ``method()`` names the user's method that was running. The user's methods
+    run while JAX traces, so their arrays have no values yet: NumPy calls,
+    ``.item()``/``float()``/``int()`` and a Python ``if`` on one fail there.
+    """
+    try:
+        yield
+    except TracerArrayConversionError as e:
+        name = method()
+        raise TypeError(
+            f"{owner}.{name} converted a traced JAX array to NumPy. {name} runs while "
+            "JAX traces, so its arrays are tracers, not concrete values: write it with jax.numpy, or "
+            f"declare the Function host-side (@vjpkit.function(host=True)) to run NumPy code.{_user_line(e)}"
+        ) from e
+    except TracerBoolConversionError as e:
+        name = method()
+        raise TypeError(
+            f"{owner}.{name} used a traced array as a Python bool (an if, while, and/or, or assert on "
+            f"an array's value). {name} runs while JAX traces, so its arrays have no "
+            "values yet: select values with jnp.where(condition, x, y), branch with jax.lax.cond, "
+            f"loop with jax.lax.while_loop.{_user_line(e)}"
+        ) from e
+    except (ConcretizationTypeError, TracerIntegerConversionError) as e:
+        name = method()
+        raise TypeError(
+            f"{owner}.{name} converted a traced array to a Python number (.item(), float(), int() or "
+            f"an index). {name} runs while JAX traces, so its arrays have no values "
+            "yet: keep the value an array (jnp.clip(x, -alpha, alpha) takes array bounds; jnp "
+            f"functions and arithmetic take arrays), or select values with jnp.where.{_user_line(e)}"
+        ) from e
+
+
+def _user_line(e: BaseException) -> str:
+    """Where in the user's code ``e`` was raised: the innermost frame outside JAX, NumPy and vjpkit."""
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    filename, line = found.tb_frame.f_code.co_filename, found.tb_lineno
+    source = linecache.getline(filename, line).strip()
+    return f" At line {line} of {filename}" + (f": `{source}`" if source else ".")
+
+
+# -- JAX internals (to move into _jax_internals.py, which another change owns now) --
+
+_LINEARIZE_CUSTOM_VJP_CODE = getattr(
+    getattr(getattr(_ad, "LinearizeTrace", None), "process_custom_vjp_call", None), "__code__", None
+)
+
+
+def called_from_linearize(max_depth: int = 32) -> bool:
+    """Whether a ``custom_vjp`` forward rule is being run by ``jax.linearize`` (forward mode).
+
+    Why: ``jax.vjp`` and ``jax.linearize`` both run the forward rule through
+    ``LinearizeTrace.process_custom_vjp_call``; only its ``is_vjp`` flag tells
+    reverse mode from ``jax.linearize``, whose linear map then fails with
+    JAX's generic "can't apply forward-mode autodiff" (no class name) when
+    evaluated. Relies on ``ad.LinearizeTrace`` (JAX >= 0.5; older JAX
+    linearizes through ``JVPTrace``, which ``called_from_forward_mode`` sees).
+    """
+    if _LINEARIZE_CUSTOM_VJP_CODE is None:
+        return False
+    frame: Any = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code is _LINEARIZE_CUSTOM_VJP_CODE:
+            return not getattr(frame.f_locals.get("self"), "is_vjp", True)
+        frame = frame.f_back
+    return False
+
+
+def linearizing() -> bool:
+    """Whether the innermost differentiation around the current call is ``jax.linearize``.
+
+    Why: once a jitted program has been differentiated in reverse mode, JAX
+    reuses the forward rule it traced, so ``called_from_linearize`` never
+    runs; the trace ``apply`` is called under still says. Relies on
+    ``core.trace_ctx.trace``, each trace's ``parent_trace`` and
+    ``ad.LinearizeTrace.is_vjp``.
+    """
+    linearize_trace = getattr(_ad, "LinearizeTrace", None)
+    if linearize_trace is None:
+        return False
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, linearize_trace):
+            return not getattr(trace, "is_vjp", True)
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def _cache_size(name: str, value: Any) -> int:
+    # At least one program: a cache that keeps none would drop the program it just made.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{name}.cache_size must be a positive int (the number of compiled programs kept "
+            f"per class), got {value!r}."
+        )
+    return value
 
 
 def _defined(cls: type, base: type, method: str) -> Callable | None:
@@ -86,12 +271,22 @@ def _kind(x: Any) -> tuple:
     return (tuple(x.shape), x.dtype)
 
 
+def as_arrays(xs: Sequence[Any]) -> tuple:
+    """``xs`` as JAX arrays: the scalars JAX passes when it runs eagerly become arrays.
+
+    Why: differentiating with respect to a Python float eagerly (``jit=False``,
+    ``jax.disable_jit()``) hands the rules JAX's weakly typed scalar wrapper
+    (a ``float`` subclass with a dtype), where under ``jit`` they see a tracer.
+    """
+    return tuple(x if isinstance(x, jax.Array) else jnp.asarray(x) for x in xs)
+
+
 class Program:
     """The user's methods for one static part of a call (``layout``), and their checks."""
 
     def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
         self.spec = spec
-        self.layout = layout
+        self.layout = layout.snapshot()  # unhashable static arguments copied: they are keyed by contents
         self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
         self.names = spec.signature.names(n_values)
         self.param_treedefs = tuple(layout.treedef.children())
@@ -116,13 +311,15 @@ class Program:
 
     def primal(self, *arrays: Any) -> Packed:
         """forward's outputs when nothing is differentiated."""
-        packed, _, _ = self._forward(arrays, (False,) * self.n_params)
+        packed, _, _ = self._forward(as_arrays(arrays), (False,) * self.n_params)
         return packed
 
     def run_forward(self, arrays: tuple, needs: tuple, forward_mode: bool = False) -> tuple[Packed, Residuals]:
         """forward's outputs, and what backward (and, in ``forward_mode``, jvp) needs of it."""
+        arrays = as_arrays(arrays)
         packed, out, ctx = self._forward(arrays, needs)
         left = forwarded(ctx, forward_mode)
+        self._check_static_attributes(left.carried.attributes, method_of(ctx))
         layout, res_arrays = split_residuals(left.carried)
         meta = ResidualMeta(
             layout, needs, differentiable_outputs(out, left.non_differentiable),
@@ -130,22 +327,35 @@ class Program:
         )
         return packed, Residuals(res_arrays, meta)
 
+    def _check_static_attributes(self, attributes: dict, method: str) -> None:
+        """ctx attributes that travel as static data must hold no array of the trace."""
+        for name, value in attributes.items():
+            layout, _ = partition(value, is_array)
+            for position, leaf in layout.static:
+                found = find_tracer(leaf)
+                if found is None:
+                    continue
+                inner, tracer = found
+                leaf_path = _leaf_path(value, position)
+                owner = type(leaf).__name__
+                raise TypeError(
+                    f"{self.spec.name}.{method}: ctx.{name}{leaf_path} is a {owner} holding an array of "
+                    f"shape {tuple(tracer.shape)} and dtype {tracer.dtype} (at ctx.{name}{leaf_path}{inner}). "
+                    f"A ctx attribute that is not an array or a pytree of arrays travels to backward as "
+                    "static data, fixed when JAX traces, so the arrays inside it do not. Store the array "
+                    f"itself on ctx (ctx.{name}_array = ...) or save it with ctx.save_for_backward, and "
+                    f"rebuild the {owner} in backward."
+                )
+
     def _forward(self, arrays: tuple, needs: tuple) -> tuple[Packed, Any, FunctionCtx]:
         spec = self.spec
         values = self.layout.combine(arrays)
         ctx = FunctionCtx(spec.name, needs, values)
         try:
-            with closing(ctx):
+            with naming_traced_values(spec.name, lambda: method_of(ctx)), closing(ctx), profiled(spec.name, "forward"):
                 out = call_forward(ctx, spec.signature, spec.forward, spec.setup_context, values)
         except _sharding.sharding_type_errors() as e:
             raise _sharding.forward_sharding_error(spec.name, method_of(ctx), e) from None
-        except TracerArrayConversionError as e:
-            raise TypeError(
-                f"{spec.name}.{method_of(ctx)} converted a traced JAX array to "
-                "NumPy. forward runs while JAX traces, so its arrays are tracers, "
-                "not concrete values: write it with jax.numpy, or declare the "
-                f"Function host-side (@vjpkit.function(host=True)) to run NumPy code."
-            ) from e
         dirty = {id(x) for x in forwarded(ctx).dirty}
         if dirty and any(id(leaf) in dirty for leaf in jax.tree_util.tree_leaves(out)):
             raise ValueError(
@@ -177,6 +387,10 @@ class Program:
 
     def _run_backward(self, residuals: Residuals, out_layout: Partition, cotangents: Sequence[Any]) -> list:
         meta = residuals.meta
+        if not any(meta.differentiable):
+            # No output carries a gradient, so none flows back: PyTorch never calls
+            # backward then (and real backward methods raise in that case).
+            return [None] * len(self.layout.dynamic)
         grads = output_cotangents(out_layout, cotangents, meta.out_avals, meta.differentiable, meta.materialize)
         if not self.spec.once_differentiable:
             return self._backward(meta, residuals.arrays, grads)
@@ -192,7 +406,7 @@ class Program:
         spec = self.spec
         assert spec.backward is not None  # run_backward is reached only when backward exists
         ctx = rule_ctx(spec.name, "backward", meta.needs, meta.layout.combine(res_arrays), meta.materialize)
-        with closing(ctx):
+        with naming_traced_values(spec.name, lambda: "backward"), closing(ctx), profiled(spec.name, "backward"):
             result = spec.backward(ctx, *grads)
         cotangents = check_backward_outputs(
             spec.name, result, self.param_treedefs, self.names, meta.in_kinds, meta.needs

@@ -11,9 +11,17 @@ tells ``1``, ``1.0`` and ``True`` apart.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import copy
+import dataclasses
+import functools
+import struct
+import types
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import numpy as np
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
 class _ById:
@@ -31,13 +39,151 @@ class _ById:
         return isinstance(other, _ById) and other.value is self.value
 
 
-def static_key(value: Any) -> Any:
-    """A hashable key for a static value that tells ``1``, ``1.0`` and ``True`` apart."""
+class Unkeyable(TypeError):
+    """A static value with no fingerprint: at ``path`` inside ``value`` is ``culprit``.
+
+    ``reason``: ``"array"`` (its value would be baked into a program),
+    ``"opaque"`` (unhashable, with no fields to compare) or ``"cycle"``.
+    """
+
+    def __init__(self, value: Any, path: str, culprit: Any, reason: str):
+        super().__init__(f"{type(value).__name__}{path}: {reason} ({type(culprit).__name__})")
+        self.value = value
+        self.path = path
+        self.culprit = culprit
+        self.reason = reason
+
+
+_DOUBLE = struct.Struct("<d").pack
+_DOUBLES = struct.Struct("<dd").pack
+
+
+def _number_key(value: Any) -> Any:
+    # By bits: -0.0 is not 0.0 (1 / x tells them apart), and nan equals itself.
+    if type(value) is float:
+        return (float, _DOUBLE(value))
+    return (complex, _DOUBLES(value.real, value.imag))
+
+
+def static_key(value: Any, by_value: bool = False) -> Any:
+    """A hashable key for a static value that tells ``1``, ``1.0`` and ``True`` apart.
+
+    Floats are keyed by their bits. An unhashable value is keyed by identity,
+    or with ``by_value`` by a fingerprint of its contents (``fingerprint``).
+    """
+    kind = type(value)
+    if kind is float:
+        return (float, _DOUBLE(value))
+    if kind is complex:
+        return _number_key(value)
     try:
         hash(value)
     except TypeError:
-        return _ById(value)
-    return (type(value), value)
+        return fingerprint(value) if by_value else _ById(value)
+    return (kind, value)
+
+
+def fingerprint(value: Any) -> Any:
+    """A hashable key equal for equal contents: lists, tuples, dicts, sets, dataclass fields, ``__dict__``.
+
+    Recursively, with hashable leaves by value (floats by their bits), so a
+    mutated config gets a new key and an equal new object the same one.
+    Raises ``Unkeyable`` for an array inside (its value would be baked into
+    a program) or an unhashable object with no fields to compare.
+    """
+    return _fingerprint(value, value, "", set())
+
+
+def _fingerprint(root: Any, value: Any, path: str, open_ids: set) -> Any:
+    kind = type(value)
+    if kind is float or kind is complex:
+        return _number_key(value)
+    if isinstance(value, _ARRAY_TYPES):
+        raise Unkeyable(root, path, value, "array")
+    if id(value) in open_ids:
+        raise Unkeyable(root, path, value, "cycle")
+    open_ids.add(id(value))
+    try:
+        parts: Any
+        if isinstance(value, (list, tuple)):
+            parts = tuple(_fingerprint(root, v, f"{path}[{i}]", open_ids) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            parts = tuple(
+                (static_key(k), _fingerprint(root, v, f"{path}[{k!r}]", open_ids)) for k, v in value.items()
+            )
+        elif isinstance(value, (set, frozenset)):
+            parts = frozenset(_fingerprint(root, v, f"{path}{{...}}", open_ids) for v in value)
+        elif _is_hashable(value):
+            return (kind, value)
+        elif dataclasses.is_dataclass(value):
+            parts = tuple(
+                (f.name, _fingerprint(root, getattr(value, f.name), f"{path}.{f.name}", open_ids))
+                for f in dataclasses.fields(value)
+            )
+        elif hasattr(value, "__dict__"):
+            parts = tuple(
+                (name, _fingerprint(root, v, f"{path}.{name}", open_ids)) for name, v in vars(value).items()
+            )
+        else:
+            raise Unkeyable(root, path, value, "opaque")
+    finally:
+        open_ids.discard(id(value))
+    return (kind, parts)
+
+
+def _is_hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def find_tracer(value: Any, path: str = "", limit: int = 10_000) -> tuple[str, Any] | None:
+    """The first JAX tracer inside a static value, and the path to it; None if it holds none.
+
+    Looks where Python objects keep values: containers, dataclass fields,
+    ``__dict__``, closures' cells, bound methods and ``functools.partial``.
+    Why: such a value travels as static data, fixed when JAX traces, so an
+    array of the trace inside it is gone by the time it is used.
+    """
+    seen: set = set()
+    stack = [(value, path)]
+    while stack and len(seen) < limit:
+        value, path = stack.pop()
+        if isinstance(value, jax.core.Tracer):
+            return path, value
+        if id(value) in seen or isinstance(value, (type, types.ModuleType, str, bytes, int, float, complex)):
+            continue
+        seen.add(id(value))
+        stack.extend(reversed(list(_parts(value, path))))
+    return None
+
+
+def _parts(value: Any, path: str) -> Iterator[tuple[Any, str]]:
+    if isinstance(value, (list, tuple)):
+        yield from ((v, f"{path}[{i}]") for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        yield from ((v, f"{path}[{k!r}]") for k, v in value.items())
+    elif isinstance(value, (set, frozenset)):
+        yield from ((v, f"{path}{{...}}") for v in value)
+    elif isinstance(value, functools.partial):
+        yield value.func, f"{path}.func"
+        yield from ((v, f"{path}.args[{i}]") for i, v in enumerate(value.args))
+        yield from ((v, f"{path}.keywords[{k!r}]") for k, v in value.keywords.items())
+    elif isinstance(value, types.MethodType):
+        yield value.__self__, f"{path}.__self__"
+    elif isinstance(value, types.FunctionType):
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or (), strict=True):
+            try:
+                yield cell.cell_contents, f"{path} (its closed-over {name!r})"
+            except ValueError:  # an empty cell
+                continue
+    else:
+        if dataclasses.is_dataclass(value) and not hasattr(value, "__dict__"):
+            yield from ((getattr(value, f.name), f"{path}.{f.name}") for f in dataclasses.fields(value))
+        elif hasattr(value, "__dict__"):
+            yield from ((v, f"{path}.{k}") for k, v in vars(value).items())
 
 
 class Partition:
@@ -77,6 +223,25 @@ class Partition:
         """The pytree, with ``dynamic_values`` in place of its dynamic leaves (static ones None unless kept)."""
         return jax.tree_util.tree_unflatten(self.treedef, self.leaves(dynamic_values, keep_static))
 
+    def snapshot(self) -> Partition:
+        """This partition with its unhashable static values deep-copied.
+
+        Why: such values are keyed by their contents (``fingerprint``); a
+        program keeps the copy, so mutating the caller's object later cannot
+        change what the program keyed by the old contents computes.
+        """
+        if all(_is_hashable(value) for _, value in self.static):
+            return self
+        static = []
+        for i, value in self.static:
+            if not _is_hashable(value):
+                try:
+                    value = copy.deepcopy(value)
+                except Exception:  # noqa: BLE001 - an object that cannot be copied is kept as is
+                    pass
+            static.append((i, value))
+        return Partition(self.treedef, tuple(static), self.dynamic, self.key)
+
     def is_tuple(self) -> bool:
         """Whether the pytree is a plain tuple (not a namedtuple, list or leaf)."""
         return self.treedef == jax.tree_util.treedef_tuple(self.treedef.children())
@@ -88,8 +253,12 @@ class Partition:
         )
 
 
-def partition(tree: Any, is_dynamic: Callable[[Any], bool]) -> tuple[Partition, list]:
-    """Splits ``tree`` into its static part and the list of its dynamic leaves."""
+def partition(tree: Any, is_dynamic: Callable[[Any], bool], by_value: bool = False) -> tuple[Partition, list]:
+    """Splits ``tree`` into its static part and the list of its dynamic leaves.
+
+    ``by_value``: unhashable static leaves are keyed by their contents
+    (``fingerprint``), not by identity.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     static, dynamic, values, key = [], [], [], [treedef]
     for i, leaf in enumerate(leaves):
@@ -98,5 +267,5 @@ def partition(tree: Any, is_dynamic: Callable[[Any], bool]) -> tuple[Partition, 
             values.append(leaf)
         else:
             static.append((i, leaf))
-            key.append((i, static_key(leaf)))
+            key.append((i, static_key(leaf, by_value)))
     return Partition(treedef, tuple(static), tuple(dynamic), tuple(key)), values

@@ -112,8 +112,6 @@ def test_layer_norm_under_jit_grad_and_vmap():
     assert_vmap_matches_loop(LayerNormFunction, (X, WEIGHT, BIAS, 1e-6), (0, None, None, None), argnums=(0, 1, 2))
 
 
-@pytest.mark.xfail(strict=True, reason="ctx.saved_variables (PyTorch's deprecated name for saved_tensors) is "
-                   "not accepted by vjpkit's ctx")
 def test_layer_norm_with_saved_variables_matches_pytorch():
     assert_matches_torch(TorchLayerNormFunction, LayerNormSavedVariables, (X, WEIGHT, BIAS, 1e-6))
 

@@ -129,7 +129,5 @@ def test_vector_quantization_indices_match_pytorch():
     np.testing.assert_array_equal(np.asarray(got), want.numpy())
 
 
-@pytest.mark.xfail(strict=True, reason="vjpkit calls backward for a Function whose outputs are all "
-                   "non-differentiable (PyTorch never does: nothing flows back)")
 def test_vector_quantization_is_differentiated_without_calling_backward():
     assert_matches_torch(TorchVectorQuantization, VectorQuantization, (INPUTS, CODEBOOK))

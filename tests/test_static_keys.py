@@ -1,0 +1,146 @@
+"""Static arguments are keyed by value: one program per distinct value, reused for an equal one.
+
+Unhashable objects (a plain ``@dataclass`` config, a list, an
+``argparse.Namespace``) are keyed by a fingerprint of their contents, so a
+mutated config gets a new program and an equal new object reuses one;
+floats are keyed by their bits (``-0.0`` is not ``0.0``; ``nan`` is itself).
+"""
+
+import argparse
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpkit
+
+X = jnp.array([0.1, 0.45, -1.3])
+
+
+@dataclasses.dataclass
+class QuantConfig:
+    num_bits: int
+    offsets: list = dataclasses.field(default_factory=list)
+
+
+def _quantize():
+    class Quantize(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, cfg):
+            scale = 2.0**cfg.num_bits
+            return jnp.round(x * scale) / scale + sum(cfg.offsets)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None  # straight-through
+
+    return Quantize
+
+
+def _expected(x, num_bits, offsets=()):
+    scale = 2.0**num_bits
+    return np.round(np.asarray(x) * scale) / scale + sum(offsets)
+
+
+def test_mutated_config_gets_a_new_program():
+    Quantize = _quantize()
+    cfg = QuantConfig(num_bits=8)
+    np.testing.assert_allclose(Quantize.apply(X, cfg), _expected(X, 8), rtol=1e-6)
+    cfg.num_bits = 1  # a schedule lowers the bit-width during training
+    np.testing.assert_allclose(Quantize.apply(X, cfg), _expected(X, 1), rtol=1e-6)
+    cfg.offsets.append(0.25)  # a change deep inside counts too
+    np.testing.assert_allclose(Quantize.apply(X, cfg), _expected(X, 1, [0.25]), rtol=1e-6)
+    assert Quantize.cache_info().misses == 3
+
+
+def test_equal_new_config_reuses_the_program():
+    Quantize = _quantize()
+    for _ in range(3):
+        Quantize.apply(X, QuantConfig(num_bits=4, offsets=[0.5]))
+    info = Quantize.cache_info()
+    assert (info.programs, info.hits, info.misses) == (1, 2, 1)
+
+
+def test_mutating_the_first_config_does_not_change_the_program_keyed_by_its_old_contents():
+    Quantize = _quantize()
+    first = QuantConfig(num_bits=8)
+    Quantize.apply(X, first)
+    first.num_bits = 1
+    # Under an outer jit the program's forward runs again: it must see 8 bits, not the mutated object.
+    got = jax.jit(lambda x: Quantize.apply(x, QuantConfig(num_bits=8)))(X)
+    np.testing.assert_allclose(got, _expected(X, 8), rtol=1e-6)
+
+
+def test_namespace_and_list_arguments_are_keyed_by_value():
+    Quantize = _quantize()
+    args = argparse.Namespace(num_bits=2, offsets=[0.0])
+    Quantize.apply(X, args)
+    Quantize.apply(X, argparse.Namespace(num_bits=2, offsets=[0.0]))
+    args.num_bits = 3
+    np.testing.assert_allclose(Quantize.apply(X, args), _expected(X, 3), rtol=1e-6)
+    assert Quantize.cache_info().misses == 2
+
+
+def test_config_holding_an_array_raises_naming_the_parameter_and_the_fix():
+    Quantize = _quantize()
+    cfg = QuantConfig(num_bits=2, offsets=[jnp.ones(3)])
+    message = (
+        "Quantize.apply: static argument 'cfg' (QuantConfig) is keyed by its contents, so that a changed object "
+        "gets a new program; but cfg.offsets[0] is an array (shape (3,), dtype float32), which cannot be part "
+        "of a compile-cache key. Pass the array as an argument of its own (arrays are traced), or hold Python "
+        "values (floats, tuples) in the QuantConfig instead."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        Quantize.apply(X, cfg)
+
+
+def test_opaque_unhashable_argument_raises_naming_the_class_and_the_fix():
+    class Handle:
+        __slots__ = ("n",)
+        __hash__ = None  # type: ignore[assignment]
+
+    class Takes(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, options):
+            return x
+
+    message = (
+        "Takes.apply: static argument 'options' (Handle) is keyed by its contents, so that a changed object "
+        "gets a new program; but options['handle'] is an unhashable Handle with no fields to compare. Make "
+        "Handle hashable (define __eq__ and __hash__, or use @dataclass(frozen=True)) to key it by its own equality."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        Takes.apply(X, {"handle": Handle()})
+
+
+def _reciprocal():
+    class Reciprocal(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, c):
+            return x / c
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None
+
+    return Reciprocal
+
+
+def test_negative_zero_does_not_reuse_the_program_of_zero():
+    Reciprocal = _reciprocal()
+    ones = jnp.ones(2)
+    assert (Reciprocal.apply(ones, 0.0) == jnp.inf).all()
+    assert (Reciprocal.apply(ones, -0.0) == -jnp.inf).all()
+    assert Reciprocal.cache_info().misses == 2
+
+
+def test_nan_static_argument_hits_the_cache():
+    Reciprocal = _reciprocal()
+    ones = jnp.ones(2)
+    for _ in range(3):
+        assert jnp.isnan(Reciprocal.apply(ones, float("nan"))).all()  # a new nan object each call
+    info = Reciprocal.cache_info()
+    assert (info.programs, info.hits, info.misses) == (1, 2, 1)
