@@ -213,7 +213,7 @@ def tie_outputs(program: Program, arrays: tuple, packed: Packed, residuals: Resi
     meta = residuals.meta
     tied = [j for j, diff in enumerate(meta.differentiable) if diff]
     input_ids = {id(x) for x in arrays}
-    output_of = {}  # id of an output array -> its position among the outputs
+    output_of: dict[int, int] = {}  # id of an output array -> its position among the outputs
     for j, x in enumerate(packed.arrays):
         if id(x) not in input_ids:  # an input returned as is keeps its own derivative when saved
             output_of.setdefault(id(x), j)
@@ -221,7 +221,7 @@ def tie_outputs(program: Program, arrays: tuple, packed: Packed, residuals: Resi
     tie = _Tie(program, meta, packed.layout, tuple(jnp.result_type(x) for x in arrays), tied, saved)
     outputs, res = tie(arrays, residuals.arrays, [packed.arrays[j] for j in tied])
     by_position = dict(zip(tied, outputs, strict=True))
-    all_outputs = tuple(by_position.get(j, _constant(y)) for j, y in enumerate(packed.arrays))
+    all_outputs = tuple(by_position[j] if j in by_position else _constant(y) for j, y in enumerate(packed.arrays))
     return Packed(all_outputs, packed.layout), Residuals(tuple(res), meta)
 
 
