@@ -4,8 +4,9 @@ transformations, shapes and dtypes.
 
 Each generated example is a *program*: a chain of 1 to 4 stages, each a
 vjpkit Function with a known derivative (elementwise ops saving their input,
-their output or a ctx attribute; a broadcasting product; matrix-vector; a
-reduction with a static axis; a static scalar passed by keyword or
+their output or a ctx attribute; elementwise ops computing their output
+under ``stop_gradient``, whose higher orders must follow their own rules;
+a broadcasting product; matrix-vector; a reduction with a static axis; a static scalar passed by keyword or
 position; an optional argument; a pytree argument; an integer index
 argument; forward-mode Functions with ``jvp``), applied to inputs of a random
 shape (scalars, zero-size, broadcastable partners) and dtype (float32 with
@@ -63,6 +64,21 @@ class Exp(vjpkit.Function):
     @staticmethod
     def forward(ctx, x):
         y = jnp.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class StoppedExp(vjpkit.Function):
+    """Computes its output under stop_gradient and saves it: higher orders follow backward, not forward's code."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = jax.lax.stop_gradient(jnp.exp(x))
         ctx.save_for_backward(y)
         return y
 
@@ -243,6 +259,27 @@ class MulJ(vjpkit.Function):
         return tx * w + x * tw
 
 
+class StoppedExpJ(vjpkit.Function):
+    """Both rules, output computed under stop_gradient and saved for both."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = jax.lax.stop_gradient(jnp.exp(x))
+        ctx.save_for_backward(y)
+        ctx.save_for_forward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+    @staticmethod
+    def jvp(ctx, t):
+        (y,) = ctx.saved_tensors
+        return t * y
+
+
 # ---------------------------------------------------------------------------
 # Programs: chains of stages, written twice (vjpkit and plain jnp).
 
@@ -258,7 +295,7 @@ class Stage:
     index: tuple = ()  # the integer indices of "take"
 
 
-FORWARD_MODE_OPS = {"sinj", "cubej", "mulj"}
+FORWARD_MODE_OPS = {"sinj", "cubej", "mulj", "stoppedexpj"}
 
 
 def run_stage(stage: Stage, h: Any, extra: list, ints: list, lib: dict) -> Any:
@@ -266,7 +303,7 @@ def run_stage(stage: Stage, h: Any, extra: list, ints: list, lib: dict) -> Any:
     op, plain = stage.op, lib is None
     if op in ("sin", "sinj"):
         return jnp.sin(h) if plain else lib[op].apply(h)
-    if op == "exp":
+    if op in ("exp", "stoppedexp", "stoppedexpj"):
         return jnp.exp(h) if plain else lib[op].apply(h)
     if op == "square":
         return h * h if plain else lib[op].apply(h)
@@ -305,7 +342,7 @@ def run_stage(stage: Stage, h: Any, extra: list, ints: list, lib: dict) -> Any:
 LIBRARY = {
     "sin": Sin, "exp": Exp, "square": Square, "mul": Mul, "scale": Scale,
     "affine": Affine, "tree": Tree, "take": Take, "matvec": MatVec, "sum": Sum,
-    "sinj": SinJ, "cubej": CubeJ, "mulj": MulJ,
+    "sinj": SinJ, "cubej": CubeJ, "mulj": MulJ, "stoppedexp": StoppedExp, "stoppedexpj": StoppedExpJ,
 }
 
 
@@ -416,13 +453,13 @@ def stages(draw, shape: tuple, forward_mode: bool) -> tuple[Stage, tuple]:
     """One stage for an input of ``shape``, and its output shape."""
     size = int(np.prod(shape))
     if forward_mode:
-        ops = ["sinj", "cubej", "mulj"]
+        ops = ["sinj", "cubej", "mulj", "stoppedexpj"]
     else:
-        ops = ["sin", "exp", "square", "mul", "scale", "affine", "tree", "matvec", "sum"]
+        ops = ["sin", "exp", "stoppedexp", "square", "mul", "scale", "affine", "tree", "matvec", "sum"]
         if size:
             ops.append("take")
     op = draw(st.sampled_from(ops))
-    if op in ("sin", "sinj", "exp", "square", "cubej"):
+    if op in ("sin", "sinj", "exp", "stoppedexp", "stoppedexpj", "square", "cubej"):
         return Stage(op), shape
     if op in ("mul", "mulj"):
         w = broadcast_partner(shape, draw)
@@ -590,5 +627,8 @@ def test_random_programs_using_the_mutated_sin_are_caught(program, seed):
     assume(np.prod(program.shape) > 0)
     program = Program(program.shape, (Stage("sin"), *program.stages))
     check(program, "grad", True, "float64", seed)
+    with jax.enable_x64(True):  # a chain of exps can overflow to inf, where any error hides
+        gradient = transformed(program, "grad", True, None)(*inputs(program, "float64", seed))
+    assume(all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(gradient)))
     with pytest.raises(AssertionError):
         check(program, "grad", True, "float64", seed, lib=MUTATED, tolerances=dict(rtol=1e-10, atol=0.0))

@@ -31,6 +31,7 @@ from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
 from ._outputs import Packed
 from ._program import Program, Residuals, Spec, called_from_linearize, linearizing
+from ._tie import tie_outputs
 from ._tree import Partition, Unkeyable, static_key
 
 
@@ -93,7 +94,9 @@ class _Program(Program):
             raise _no_forward_mode(spec)
         arrays = tuple(p.value for p in primals)
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
-        return self.run_forward(arrays, needs)
+        packed, residuals = self.run_forward(arrays, needs)
+        # Under a higher-order derivative, outputs and saved outputs differentiate by backward, not forward's code.
+        return tie_outputs(self, arrays, packed, residuals)
 
     def _bwd(self, residuals: Residuals, cotangents: Packed) -> tuple:
         return tuple(self.run_backward(residuals, cotangents.layout, cotangents.arrays))

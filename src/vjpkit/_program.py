@@ -61,6 +61,7 @@ class Spec:
         self.jit = bool(cls.jit)
         self.cache_size = _cache_size(self.name, cls.cache_size)
         self.once_differentiable = is_once_differentiable(self.backward)
+        self.host = bool(cls.host)
         if cls.host:
             _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
 

@@ -262,19 +262,17 @@ def _second_order_verdict(fd: list[np.ndarray], torch_second: list, jax_second: 
             "wrong one. Likely cause: the original's backward uses an intermediate saved in forward "
             "(neither an input nor an output), which PyTorch treats as a constant when it differentiates "
             "backward (pytorch#58509), while vjpkit differentiates it through forward's code; check the "
-            "port's second order with vjpkit.gradgradcheck instead. Or backward is deliberately not forward's "
-            "derivative (gradient scaling or reversal, a straight-through estimator): PyTorch then "
-            "differentiates the output through backward's rule as well, and no side is wrong by finite "
-            "differences."
+            "port's second order with vjpkit.gradgradcheck instead."
         )
     if torch_ok and not jax_ok:
         return (
             f"verdict: {said} agree with PyTorch, not with vjpkit: the port's second derivative is the "
-            "wrong one. Likely cause: backward uses a value (a saved output or intermediate) that forward "
-            "computes with code whose derivative is not that value's true derivative (an iterative solve "
-            "such as bisection, thresholding, stop_gradient, a while_loop): vjpkit differentiates saved "
-            "values through forward's code; or the port's backward hides a dependence on its inputs "
-            "(stop_gradient in backward)."
+            "wrong one. Likely cause: backward uses an intermediate saved in forward (neither an input nor "
+            "an output) that forward computes with code whose derivative is not that value's true "
+            "derivative (an iterative solve such as bisection, thresholding, stop_gradient, a while_loop): "
+            "vjpkit differentiates saved intermediates through forward's code (saved outputs through the "
+            "Function's own rules), so save the output and recompute from it in backward, as the original "
+            "does; or the port's backward hides a dependence on its inputs (stop_gradient in backward)."
         )
     if torch_ok and jax_ok:
         return f"verdict: {said} agree with both within their tolerance: the difference is small."

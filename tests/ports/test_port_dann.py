@@ -6,7 +6,6 @@ Pattern: gradient reversal with a static option.
 """
 
 import numpy as np
-import pytest
 import torch
 from port_checks import assert_jit_grad_matches_torch, assert_vmap_matches_loop
 
@@ -43,8 +42,6 @@ def test_reverse_layer_matches_pytorch():
     assert_matches_torch(TorchReverseLayerF, ReverseLayerF, (X, 0.7))
 
 
-@pytest.mark.xfail(strict=True, reason="output differentiated through forward's code (identity), not through the "
-                   "Function's backward (-alpha) as PyTorch does")
 def test_reverse_layer_matches_pytorch_to_second_order():
     assert_matches_torch(TorchReverseLayerF, ReverseLayerF, (X, 0.7), check_second_order=True)
 

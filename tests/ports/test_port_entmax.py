@@ -12,7 +12,6 @@ implicit backward that uses the saved output, a learned ``alpha`` input.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 from port_checks import assert_jit_grad_matches_torch, assert_vmap_matches_loop
 
@@ -402,13 +401,11 @@ def test_entmax_bisect_learned_alpha_matches_pytorch():
                          differentiate=(False, True, False))
 
 
-@pytest.mark.xfail(strict=True, reason="saved output differentiated through forward's code")
 def test_entmax_bisect_matches_pytorch_to_second_order():
     assert_matches_torch(TorchEntmaxBisectFunction, EntmaxBisectFunction, (DENSE, 1.5, -1), atol=1e-7,
                          rtol=1e-5, check_second_order=True)
 
 
-@pytest.mark.xfail(strict=True, reason="saved output differentiated through forward's code")
 def test_entmax_bisect_gradgradcheck():
     assert_gradgradcheck(lambda x: EntmaxBisectFunction.apply(x, 1.5), (DENSE,))
 
@@ -422,7 +419,6 @@ def test_sparsemax_bisect_matches_pytorch_and_sorting_sparsemax():
     assert_matches_torch(TorchSparsemaxFunction, SparsemaxBisectFunction, (MID,), atol=1e-7)
 
 
-@pytest.mark.xfail(strict=True, reason="saved output differentiated through forward's code")
 def test_sparsemax_bisect_matches_pytorch_to_second_order():
     assert_matches_torch(TorchSparsemaxBisectFunction, SparsemaxBisectFunction, (MID,), atol=1e-7, rtol=1e-5,
                          check_second_order=True)

@@ -44,8 +44,6 @@ def test_grad_multiply_matches_pytorch():
     assert_matches_torch(TorchGradMultiply, GradMultiply, (X, 0.25))
 
 
-@pytest.mark.xfail(strict=True, reason="output differentiated through forward's code (identity), not through the "
-                   "Function's backward as PyTorch does (the Hessian of sin(y) gets scale once, PyTorch's twice)")
 def test_grad_multiply_matches_pytorch_to_second_order():
     assert_matches_torch(TorchGradMultiply, GradMultiply, (X, 0.25), check_second_order=True)
 

@@ -22,9 +22,6 @@ MAPPINGS = [
     "gather_from_model_parallel_region",  # all-gather forward, split backward
 ]
 CHECKS = ["matches_torch", "jit_grad_matches_torch", "vmap_inside_shard_map_matches_loop"]
-BACKWARD_IS_NOT_FORWARDS_DERIVATIVE = pytest.mark.xfail(
-    strict=True, reason="output differentiated through forward's code, not through the Function's backward as "
-    "PyTorch does (Megatron's backward assumes replicated values, so it is not forward's per-rank derivative)")
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +43,7 @@ def test_mapping(mapping, check, results):
     assert error is None, error
 
 
-@pytest.mark.parametrize("mapping", [
-    pytest.param(m, marks=[] if m == "gather_from_model_parallel_region" else [BACKWARD_IS_NOT_FORWARDS_DERIVATIVE])
-    for m in MAPPINGS
-])
+@pytest.mark.parametrize("mapping", MAPPINGS)
 def test_mapping_matches_torch_to_second_order(mapping, results):
     error = results[f"{mapping}/matches_torch_to_second_order"]
     assert error is None, error

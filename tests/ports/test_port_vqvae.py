@@ -97,8 +97,6 @@ class VectorQuantizationStraightThrough(vjpkit.Function):
         return grad_inputs, grad_codebook
 
 
-@pytest.mark.xfail(strict=True, reason="output differentiated through forward's code (codes are piecewise constant "
-                   "in the inputs), not through the Function's straight-through backward as PyTorch does")
 def test_straight_through_matches_pytorch_to_second_order():
     assert_matches_torch(TorchVectorQuantizationStraightThrough, VectorQuantizationStraightThrough,
                          (INPUTS, CODEBOOK), check_second_order=True)

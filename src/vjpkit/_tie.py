@@ -1,0 +1,301 @@
+"""A Function's outputs differentiate through the Function's own rules, at every order.
+
+At first order JAX never looks inside forward: reverse mode calls the
+user's ``backward``, forward mode the user's ``jvp``. A higher-order
+derivative (``jax.hessian``, grad of grad, a gradient penalty) also needs
+the derivative of what forward *returned* and of what it *saved*, and JAX
+takes both from forward's code, which runs as plain code under the outer
+differentiation. That is wrong whenever forward's code is not the math
+that the rules describe: an iterative solver (bisection, ``while_loop``),
+``stop_gradient``, thresholding, an identity whose backward scales the
+gradient (gradient reversal, straight-through estimators). PyTorch takes
+the derivative of an output, and of a saved output, from the Function's
+own backward; so does vjpkit, with a *tie*::
+
+    tie(inputs, residuals, outputs) = outputs
+
+a ``custom_jvp`` whose rule ignores the outputs' tangents (forward's code)
+and returns the Function's own derivative instead: one
+``linear_call`` of the input tangents, applying the user's ``jvp`` (or
+``backward`` transposed) and transposing to the user's ``backward``. The
+forward rules return tied outputs, and tied copies of the saved arrays
+that are outputs (by identity). Saved intermediates are not tied: their
+derivative through forward's code is right (PyTorch gets it wrong,
+pytorch#58509). At first order nothing differentiates the tie, so it
+compiles to nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from . import _anomaly, _jax_internals, _sharding
+from ._ctx import _short_repr, closing, is_array, rule_ctx
+from ._jax_internals import linear_call
+from ._outputs import Packed, is_differentiable_dtype
+from ._program import Program, ResidualMeta, Residuals, naming_traced_values, profiled
+
+
+class OwnDerivative:
+    """A Function's own derivative at one forward run: output tangents from input tangents.
+
+    ``linear`` lists the input leaves whose tangents are the linear inputs;
+    the tangents computed are those of the differentiable outputs.
+    """
+
+    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_avals: list, linear: list):
+        self.program = program
+        self.spec = program.spec
+        self.name = program.spec.name
+        self.meta = meta
+        self.out_layout = out_layout
+        self.in_avals = in_avals
+        self.linear = linear
+        self.outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
+
+    def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any]) -> list:
+        """One tangent per differentiable output, as a ``linear_call``.
+
+        Evaluating it runs ``jvp`` (or, without one, ``backward`` transposed
+        by JAX); transposing it runs ``backward`` (or, without one, ``jvp``
+        transposed by JAX).
+        """
+        spec = self.spec
+
+        shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
+        gradient_shardings = [shardings[d] for d in self.linear]
+
+        def backward_rule(residuals: tuple, cotangents: tuple) -> list:
+            # Under Explicit mesh axes the zeros for absent gradients are typed as their inputs too.
+            return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), gradient_shardings)
+
+        backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
+        return linear_call(
+            tuple(residuals),
+            list(linear_tangents),
+            apply=self.apply_jvp if spec.jvp is not None else self.apply_transposed_backward,
+            transpose=backward_rule if spec.backward is not None else None,
+            out_avals=[jax.core.ShapedArray(*self.meta.out_avals[j]) for j in self.outputs],
+            name=self.name,
+        )
+
+    # -- the two rules of the linear_call ---------------------------------
+
+    def apply_jvp(self, residuals: tuple, linear: tuple) -> list:
+        """Output tangents (differentiable outputs) from input tangents: user's jvp."""
+        program, meta = self.program, self.meta
+        assert self.spec.jvp is not None  # chosen by tangents() only for a class with jvp
+        tangent_leaves: list = [None] * len(self.in_avals)
+        for d, t in zip(self.linear, linear, strict=True):
+            tangent_leaves[d] = t
+        for d, t in enumerate(tangent_leaves):
+            if t is None and meta.materialize and is_differentiable_dtype(self.in_avals[d][1]):
+                tangent_leaves[d] = jnp.zeros(*self.in_avals[d])
+        ctx = rule_ctx(self.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
+        try:
+            with naming_traced_values(self.name, lambda: "jvp"), closing(ctx), profiled(self.name, "jvp"):
+                result = self.spec.jvp(ctx, *program.layout.combine(tangent_leaves, keep_static=False))
+        except _sharding.sharding_type_errors() as e:
+            raise _sharding.forward_sharding_error(self.name, "jvp", e) from None
+        tangents_out = self._check_jvp_outputs(result)
+        if program.anomaly:
+            labelled = [
+                (f"the tangent of output {j}", t) for j, t in zip(self.outputs, tangents_out, strict=True)
+            ]
+            _anomaly.check_finite(self.name, "jvp", labelled)
+        return tangents_out
+
+    def apply_backward(self, residuals: tuple, cotangents: tuple) -> list:
+        """Input cotangents (linear inputs) from output cotangents: user's backward."""
+        full: list = [SymbolicZero(None)] * len(self.meta.out_avals)  # type: ignore[arg-type]  # absent
+        for j, ct in zip(self.outputs, cotangents, strict=True):
+            if ct is not None:
+                full[j] = ct
+        per_leaf = self.program.run_backward(Residuals(tuple(residuals), self.meta), self.out_layout, full)
+        return [
+            jnp.zeros(*self.in_avals[d]) if per_leaf[d] is None else per_leaf[d]
+            for d in self.linear
+        ]
+
+    def apply_transposed_backward(self, residuals: tuple, linear: tuple) -> list:
+        """Output tangents from input tangents, for a class without jvp: backward, transposed by JAX."""
+        structs = [jax.ShapeDtypeStruct(*self.meta.out_avals[j]) for j in self.outputs]
+        try:
+            transposed = jax.linear_transpose(lambda *cts: self.apply_backward(residuals, cts), *structs)
+            return list(transposed(list(linear)))
+        except Exception as e:  # JAX raises several types for code it cannot transpose
+            raise TypeError(
+                f"{self.name} defines no jvp, so inside a higher-order derivative taken "
+                "in forward mode (jax.hessian, jax.jacfwd of jax.grad) the derivative of "
+                f"its outputs is {self.name}.backward transposed by JAX, which needs "
+                "backward to be linear in the gradients and written in transposable "
+                f"JAX operations; transposing it failed: {e}. Define "
+                f"{self.name}.jvp(ctx, *tangents), or take the derivative in reverse "
+                "mode twice (jax.jacrev of jax.jacrev)."
+            ) from e
+
+    def _check_jvp_outputs(self, result: Any) -> list:
+        layout, name = self.out_layout, self.name
+        spread = layout.is_tuple()  # a tuple output: one tangent per element
+        n_outputs = len(layout.treedef.children()) if spread else 1
+        if spread:
+            if not isinstance(result, tuple):
+                result = (result,)
+            if len(result) != n_outputs:
+                raise TypeError(
+                    f"{name}.jvp returned {len(result)} tangent{'s' if len(result) != 1 else ''}, "
+                    f"expected {n_outputs} (one per output of forward)."
+                )
+            structured = result
+        else:
+            # A single array matches any structure, so a tuple is never its tangent.
+            single = jax.tree_util.treedef_is_leaf(layout.treedef)
+            if isinstance(result, tuple) and (single or not _same_structure(layout.treedef, result)):
+                if len(result) != 1:
+                    raise TypeError(
+                        f"{name}.jvp returned {len(result)} tangents, expected 1 (one per "
+                        f"output of forward, which returns a single "
+                        f"{'array' if single else 'pytree'}, not a tuple). Return the "
+                        "tangent itself."
+                    )
+                result = result[0]
+            structured = result
+        try:
+            leaves = layout.treedef.flatten_up_to(structured)
+        except (ValueError, TypeError):
+            got = jax.tree_util.tree_structure(structured, is_leaf=lambda x: x is None)
+            raise TypeError(
+                f"{name}.jvp returned tangents with structure {got}, expected the "
+                f"output's structure {layout.treedef} (None is allowed for any part)."
+            ) from None
+        by_position = dict(zip(layout.dynamic, range(len(layout.dynamic)), strict=True))
+        tangents = []
+        for position, t in enumerate(leaves):
+            j = by_position.get(position)
+            if j is None or not self.meta.differentiable[j]:
+                continue
+            shape, dtype = self.meta.out_avals[j]
+            if t is None:
+                tangents.append(jnp.zeros(shape, dtype))
+                continue
+            if not is_array(t):
+                raise TypeError(
+                    f"{name}.jvp returned {_short_repr(t)} as the tangent of output {j}: "
+                    f"expected an array of shape {shape} and dtype {dtype}, or None."
+                )
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{name}.jvp returned a tangent of shape {tuple(t.shape)} for "
+                    f"output {j}: expected shape {shape}."
+                )
+            if jnp.issubdtype(t.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+                raise TypeError(
+                    f"{name}.jvp returned a complex tangent ({t.dtype}) for output {j}, "
+                    f"which is real ({dtype}): expected dtype {dtype}. Take the real part "
+                    "explicitly if that is what you mean."
+                )
+            tangents.append(t if t.dtype == dtype else t.astype(dtype))
+        return tangents
+
+
+def _same_structure(treedef: Any, value: Any) -> bool:
+    try:
+        treedef.flatten_up_to(value)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# The tie.
+
+
+def tie_outputs(program: Program, arrays: tuple, packed: Packed, residuals: Residuals) -> tuple[Packed, Residuals]:
+    """forward's outputs and residuals, each output (returned or saved) tied to the Function's own rules.
+
+    A non-differentiable output (integer, or ``ctx.mark_non_differentiable``)
+    has derivative zero at every order, as at first order and in PyTorch.
+    Host Functions are left alone: their second derivative raises anyway.
+    """
+    if program.spec.host:
+        return packed, residuals
+    meta = residuals.meta
+    tied = [j for j, diff in enumerate(meta.differentiable) if diff]
+    input_ids = {id(x) for x in arrays}
+    output_of: dict[int, int] = {}  # id of an output array -> its position among the outputs
+    for j, x in enumerate(packed.arrays):
+        if id(x) not in input_ids:  # an input returned as is keeps its own derivative when saved
+            output_of.setdefault(id(x), j)
+    saved = tuple((k, output_of[id(r)]) for k, r in enumerate(residuals.arrays) if id(r) in output_of)
+    tie = _Tie(program, meta, packed.layout, tuple(jnp.result_type(x) for x in arrays), tied, saved)
+    outputs, res = tie(arrays, residuals.arrays, [packed.arrays[j] for j in tied])
+    by_position = dict(zip(tied, outputs, strict=True))
+    all_outputs = tuple(by_position[j] if j in by_position else _constant(y) for j, y in enumerate(packed.arrays))
+    return Packed(all_outputs, packed.layout), Residuals(tuple(res), meta)
+
+
+class _Tie:
+    """``tie(inputs, residuals, outputs) = outputs``, with the Function's own derivative.
+
+    ``tied``: the positions of the differentiable outputs, the ones tied;
+    ``saved``: (residual position, output position) for each residual that
+    is an output.
+    """
+
+    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_dtypes: tuple,
+                 tied: list, saved: tuple):
+        self.program = program
+        self.meta = meta
+        self.out_layout = out_layout
+        self.in_dtypes = in_dtypes
+        self.tied = tied
+        self.saved = saved
+        self.function = jax.custom_jvp(_identity_on_outputs)
+        self.function.defjvp(self.rule, symbolic_zeros=True)
+
+    def __call__(self, inputs: tuple, residuals: tuple, outputs: Sequence[Any]) -> tuple[list, list]:
+        """The differentiable outputs tied, and the residuals with each saved output tied."""
+        tied = self.function(tuple(inputs), tuple(residuals), list(outputs)) if self.tied else []
+        by_position = dict(zip(self.tied, tied, strict=True))
+        res = list(residuals)
+        for k, j in self.saved:
+            res[k] = by_position[j] if j in by_position else _constant(res[k])
+        return tied, res
+
+    def rule(self, primals: tuple, tangents: tuple) -> tuple[list, list]:
+        inputs, residuals, outputs = primals
+        moving = [
+            d for d, t in enumerate(tangents[0])
+            if type(t) is not SymbolicZero and is_differentiable_dtype(self.in_dtypes[d])
+        ]
+        if not moving:
+            return outputs, [_jax_internals.symbolic_zero_like(y) for y in outputs]
+        program, meta = self.program, self.meta
+        perturbed = [d in moving for d in range(len(inputs))]
+        needs = tuple(a or b for a, b in zip(meta.needs, program.needs_input_grad(perturbed, inputs), strict=True))
+        # Tied again for the derivative after this one (this rule runs as
+        # plain code under it): the outputs returned and the saved ones.
+        outputs, res = self(inputs, residuals, outputs)
+        if needs != meta.needs:
+            # The outer derivative moves an input that forward was told needs
+            # no gradient (a gradient penalty's parameters): run forward again
+            # as PyTorch would have, knowing every input that needs one.
+            packed, again = program.run_forward(tuple(inputs), needs)
+            _, again = tie_outputs(program, tuple(inputs), packed, again)
+            meta, res = again.meta, list(again.arrays)
+        in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
+        own = OwnDerivative(program, meta, self.out_layout, in_avals, moving)
+        return outputs, own.tangents(res, [tangents[0][d] for d in moving])
+
+
+def _identity_on_outputs(inputs: tuple, residuals: tuple, outputs: list) -> list:
+    return list(outputs)
+
+
+def _constant(x: Any) -> Any:
+    """A non-differentiable output: derivative zero at every order."""
+    return jax.lax.stop_gradient(x) if is_differentiable_dtype(jnp.result_type(x)) else x
