@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.errors import TracerArrayConversionError
 
 from . import _anomaly, _host, _jax_internals, _sharding
@@ -103,7 +102,7 @@ class Program:
         """One flag per parameter: whether JAX differentiates any of its float leaves."""
         needs = [False] * self.n_params
         for param, p, x in zip(self.param_of_dynamic, perturbed, arrays, strict=True):
-            if p and is_differentiable_dtype(jnp.result_type(x)):
+            if p and is_differentiable_dtype(x.dtype):
                 needs[param] = True
         return tuple(needs)
 
