@@ -1,6 +1,6 @@
 """vjpkit.gradcheck against torch.autograd.gradcheck and jax.test_util.check_grads.
 
-    python benchmarks/gradcheck.py [--quick]
+    python benchmarks/gradcheck.py [--quick] [--bisection N]
 
 The PyTorch tutorial's example: LinearFunction on inputs randn(20, 20) and
 randn(30, 20) in float64, ``eps=1e-6, atol=1e-4``; a (400 + 600) x 600
@@ -20,6 +20,13 @@ Jacobian.
 3. The first call in a fresh process, compilation included: each candidate
    in its own subprocess (after imports and input creation), several times;
    medians.
+4. A Python loop in ``fn``: entmax's bisection (``--bisection N``, default
+   50 steps) in plain ``jnp`` on a 3x5 float64 input, against the same loop
+   in torch checked by ``torch.autograd.gradcheck`` (1 thread): the first
+   call in a fresh subprocess and the warm call. The check fails for both
+   (differentiating through a bisection is not its derivative); what is
+   timed is the work of checking and reporting. Target: vjpkit's first call
+   no slower than torch's.
 
 Targets: warm full gradcheck >= 50x faster than torch slow mode; first call
 no slower than torch slow mode's; fast_mode no slower than torch's.
@@ -45,6 +52,55 @@ EPS, ATOL = 1e-6, 1e-4
 FIRST_CALL = ("vjpkit", "vjpkit fast_mode", "torch slow", "torch slow, 1 thread",
               "torch fast_mode", "torch fast_mode, 1 thread")
 TORCH_DEFAULT_THREADS = ("torch slow", "torch fast_mode")
+BISECTION = ("vjpkit", "torch, 1 thread")
+
+
+def entmax_bisect(X, n_iter, where, clip, keep):
+    """entmax 1.5 by bisection, written once for jnp and torch.
+
+    ``where``: jnp.where or torch.where; ``clip``: x -> max(x, 0); ``keep``: the
+    keep-dimensions keyword of ``sum`` (``{"keepdims": True}`` or ``{"keepdim": True}``).
+    """
+    alpha, d = 1.5, X.shape[-1]
+    X = X * (alpha - 1)
+    max_val = X.max(-1, **keep)
+    if not hasattr(max_val, "shape"):  # torch's max along a dimension returns (values, indices)
+        max_val = max_val[0]
+    tau_lo = max_val - 1.0
+    tau_hi = max_val - (1.0 / d) ** (alpha - 1)
+    f_lo = (clip(X - tau_lo) ** (1 / (alpha - 1))).sum(-1, **keep) - 1
+    dm = tau_hi - tau_lo
+    for _ in range(n_iter):
+        dm = dm / 2
+        tau_m = tau_lo + dm
+        p_m = clip(X - tau_m) ** (1 / (alpha - 1))
+        f_m = p_m.sum(-1, **keep) - 1
+        mask = f_m * f_lo >= 0
+        tau_lo = where(mask, tau_m, tau_lo)
+    return p_m / p_m.sum(-1, **keep)
+
+
+def bisection_checker(kind, n_iter):
+    """A no-argument call running one gradient check of the n_iter-step bisection; kinds as in BISECTION."""
+    x = np.random.default_rng(0).standard_normal((3, 5))
+    if kind == "vjpkit":
+        import jax.numpy as jnp
+
+        import vjpkit
+
+        def f(X):
+            return entmax_bisect(X, n_iter, jnp.where, lambda v: jnp.clip(v, 0), {"keepdims": True})
+
+        return lambda: vjpkit.gradcheck(f, (x,), raise_exception=False)
+    import torch
+
+    torch.set_num_threads(1)
+    tx = torch.tensor(x, requires_grad=True)
+
+    def g(X):
+        return entmax_bisect(X, n_iter, torch.where, lambda v: v.clamp(min=0), {"keepdim": True})
+
+    return lambda: torch.autograd.gradcheck(g, (tx,), raise_exception=False)
 
 
 def tutorial_inputs():
@@ -164,6 +220,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer repeats, for a smoke run")
     parser.add_argument("--first-call", choices=FIRST_CALL, help=argparse.SUPPRESS)
     parser.add_argument("--warm", choices=TORCH_DEFAULT_THREADS, help=argparse.SUPPRESS)
+    parser.add_argument("--bisection", type=int, default=50, metavar="N", help="steps of the bisection case (4.)")
+    parser.add_argument("--bisection-call", choices=BISECTION, help=argparse.SUPPRESS)
     args = parser.parse_args()
     repeat, runs = (5, 2) if args.quick else (31, 7)
     if args.first_call:
@@ -171,6 +229,13 @@ def main():
         start = time.perf_counter()
         call()
         return print(time.perf_counter() - start)
+    if args.bisection_call:
+        call = bisection_checker(args.bisection_call, args.bisection)
+        start = time.perf_counter()
+        call()
+        first = time.perf_counter() - start
+        samples = time_interleaved([Candidate("warm", call, no_wait)], repeat=5, warmup=0)
+        return print(first, median(samples["warm"]))
     if args.warm:
         call = checker(args.warm)
         number = 1 if "slow" in args.warm else 100
@@ -207,6 +272,8 @@ def main():
     first = {k: in_subprocess("--first-call", k, runs) for k in kinds}
     table(f"First call in a fresh process (compilation included), {runs} processes", first.items())
 
+    bisection_table(args.bisection, 1 if args.quick else 3, torch is not None)
+
     if torch:
         print()
         verdict("warm full vs torch slow mode, 1 thread (paired)",
@@ -220,6 +287,25 @@ def main():
                 paired_ratio(samples, "torch gradcheck fast_mode, 1 thread", fast), 1)
         verdict("warm fast_mode vs torch fast_mode, default threads",
                 warm_default["torch fast_mode"][0] / median(samples[fast]), 1)
+
+
+def bisection_table(n_iter, runs, with_torch):
+    """4.: first and warm call of each checker, each run in its own fresh process."""
+    kinds = [k for k in BISECTION if with_torch or k == "vjpkit"]
+    first, warm = {}, {}
+    for kind in kinds:
+        for _ in range(runs):
+            out = subprocess.run([sys.executable, __file__, "--bisection-call", kind, "--bisection", str(n_iter)],
+                                 capture_output=True, text=True, check=True, env=os.environ)
+            f, w = (float(v) for v in out.stdout.split()[-2:])
+            first.setdefault(kind, []).append(f)
+            warm.setdefault(kind, []).append(w)
+    print_table(f"entmax bisection, {n_iter} steps, 3x5 float64, gradcheck of the loop itself "
+                f"(each in a fresh process, {runs} processes; medians)",
+                ["checker", "first call s", "warm call ms"],
+                [(k, f"{median(first[k]):.2f}", f"{median(warm[k]) * 1e3:.1f}") for k in kinds])
+    if with_torch:
+        verdict("bisection first call vs torch's, 1 thread", median(first[BISECTION[1]]) / median(first["vjpkit"]), 1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ cotangents back into the arguments backward expects (PyTorch style), and
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -22,6 +23,7 @@ from ._ctx import _short_repr, is_array
 from ._tree import Partition, partition
 
 
+@functools.lru_cache(maxsize=None)  # few distinct dtypes; asked per array while tracing
 def is_differentiable_dtype(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
@@ -65,7 +67,7 @@ def differentiable_outputs(out: Any, non_differentiable: Sequence[Any]) -> tuple
     """Per array leaf of forward's output: inexact and not marked non-differentiable."""
     marked = {id(x) for x in non_differentiable}
     return tuple(
-        id(leaf) not in marked and is_differentiable_dtype(jnp.result_type(leaf))
+        id(leaf) not in marked and is_differentiable_dtype(leaf.dtype)
         for leaf in jax.tree_util.tree_leaves(out)
         if is_array(leaf)
     )

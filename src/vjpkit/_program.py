@@ -299,7 +299,7 @@ class Program:
         """One flag per parameter: whether JAX differentiates any of its float leaves."""
         needs = [False] * self.n_params
         for param, p, x in zip(self.param_of_dynamic, perturbed, arrays, strict=True):
-            if p and is_differentiable_dtype(jnp.result_type(x)):
+            if p and is_differentiable_dtype(x.dtype):
                 needs[param] = True
         return tuple(needs)
 

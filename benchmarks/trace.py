@@ -1,0 +1,164 @@
+"""Tracing a model of many Functions costs what tracing hand-written `jax.custom_vjp` costs.
+
+    python benchmarks/trace.py [--quick] [--calls 10 200 1000]
+
+A chain of small layers, alternately `Linear` (`h @ w`) and `Tanh`, with
+10, 200 and 1,000 Function calls, built twice: from vjpkit Functions, and
+from hand-written `jax.custom_vjp` with the same forward, residuals and
+backward. For each size:
+
+- trace + lower of `jax.jit(jax.value_and_grad(loss)).lower(params, x)`, a
+  fresh `jax.jit` every time (so nothing is reused from JAX's trace cache;
+  vjpkit's per-class caches are warm, as in any process after the first
+  trace). Interleaved repeats in one process; medians; the ratio is the
+  median of per-repeat ratios, with an A/A row (a second, separately built
+  copy of the hand-written model). Target: vjpkit / hand-written <= 1.05.
+- compile time of the lowered program (`Lowered.compile()`), interleaved the
+  same way with fewer repeats: same program, so target equal.
+- whether the optimized HLO is the same: instruction count, opcode counts,
+  and the text with source-location metadata removed.
+"""
+
+import argparse
+import platform
+
+import jax
+import jax.numpy as jnp
+from _timing import Candidate, median, no_wait, paired_ratio, print_table, time_interleaved
+from jit_parity import hlo_instructions, hlo_opcodes
+
+import vjpkit
+
+WIDTH, BATCH = 8, 4
+
+
+class Linear(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(h, w)
+        return h @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensors
+        return g @ w.T, h.T @ g
+
+
+class Tanh(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, h):
+        y = jnp.tanh(h)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+def hand_written():
+    """The same two layers as hand-written custom_vjp (a new pair on each call: the A/A copy is its own)."""
+
+    @jax.custom_vjp
+    def linear(h, w):
+        return h @ w
+
+    def linear_fwd(h, w):
+        return h @ w, (h, w)
+
+    def linear_bwd(res, g):
+        h, w = res
+        return g @ w.T, h.T @ g
+
+    linear.defvjp(linear_fwd, linear_bwd)
+
+    @jax.custom_vjp
+    def tanh(h):
+        return jnp.tanh(h)
+
+    def tanh_fwd(h):
+        y = jnp.tanh(h)
+        return y, y
+
+    def tanh_bwd(y, g):
+        return (g * (1 - y * y),)
+
+    tanh.defvjp(tanh_fwd, tanh_bwd)
+    return linear, tanh
+
+
+def make_loss(linear, tanh):
+    def loss(params, x):
+        h = x
+        for w in params:
+            h = tanh(linear(h, w))
+        return h.sum()
+
+    return loss
+
+
+def inputs(n_calls):
+    keys = jax.random.split(jax.random.key(0), n_calls // 2 + 1)
+    params = [jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5 for k in keys[1:]]
+    return params, jax.random.normal(keys[0], (BATCH, WIDTH))
+
+
+def lower(loss, params, x):
+    """Trace and lower, with a fresh jit (so JAX's trace cache never answers)."""
+    return jax.jit(jax.value_and_grad(loss)).lower(params, x)
+
+
+MODELS = ("hand-written custom_vjp", "vjpkit", "hand-written, second copy (A/A)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, for a smoke run")
+    parser.add_argument("--calls", type=int, nargs="+", default=[10, 200, 1000], help="Function calls per model")
+    args = parser.parse_args()
+    repeat, compile_repeat = (5, 2) if args.quick else (21, 5)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, python {platform.python_version()}")
+    print(f"Linear/Tanh chain, batch {BATCH}, width {WIDTH}, float32; {repeat} repeats of trace+lower, "
+          f"{compile_repeat} of compile")
+
+    trace_rows, compile_rows, hlo_rows = [], [], []
+    for n_calls in args.calls:
+        params, x = inputs(n_calls)
+        losses = dict(zip(MODELS, [make_loss(*hand_written()), make_loss(Linear.apply, Tanh.apply),
+                                   make_loss(*hand_written())], strict=True))
+        cands = [Candidate(name, lambda loss=loss, params=params, x=x: lower(loss, params, x), no_wait, 1)
+                 for name, loss in losses.items()]
+        samples = time_interleaved(cands, repeat=repeat, warmup=1)
+        base, ours = samples[MODELS[0]], samples[MODELS[1]]
+        trace_rows.append((f"{n_calls}", f"{median(ours) * 1e3:.1f}", f"{median(base) * 1e3:.1f}",
+                           f"{paired_ratio(samples, MODELS[1], MODELS[0]):.3f}",
+                           f"{paired_ratio(samples, MODELS[2], MODELS[0]):.3f}"))
+
+        # A Lowered keeps its executable after compile(): every timed compile gets its own lowering.
+        pending = {name: [lower(loss, params, x) for _ in range(compile_repeat)] for name, loss in losses.items()}
+        lowered = {name: lower(loss, params, x) for name, loss in losses.items()}
+        cands = [Candidate(name, lambda todo=pending[name]: todo.pop().compile(), no_wait, 1) for name in MODELS]
+        samples = time_interleaved(cands, repeat=compile_repeat, warmup=0)
+        compile_rows.append((f"{n_calls}", f"{median(samples[MODELS[1]]) * 1e3:.0f}",
+                             f"{median(samples[MODELS[0]]) * 1e3:.0f}",
+                             f"{paired_ratio(samples, MODELS[1], MODELS[0]):.3f}",
+                             f"{paired_ratio(samples, MODELS[2], MODELS[0]):.3f}"))
+
+        theirs, ours = (hlo_instructions(lowered[m].compile().as_text()) for m in MODELS[:2])
+        hlo_rows.append((f"{n_calls}", f"{len(ours)}", f"{len(theirs)}",
+                         "yes" if hlo_opcodes(ours) == hlo_opcodes(theirs) else "NO",
+                         "yes" if ours == theirs else "no"))
+
+    header = ["Function calls", "vjpkit ms", "hand-written ms", "ratio", "A/A ratio"]
+    print_table("trace + lower of jax.jit(jax.value_and_grad(loss)) (medians; ratio: median of per-repeat ratios)",
+                header, trace_rows)
+    print_table("compile of the lowered program", header, compile_rows)
+    print_table("optimized HLO", ["Function calls", "vjpkit instructions", "hand-written instructions",
+                                  "same opcodes", "same text (metadata removed)"], hlo_rows)
+    worst = max(float(row[3]) for row in trace_rows)
+    print(f"\nworst trace+lower ratio: {worst:.3f} (target <= 1.05: {'met' if worst <= 1.05 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
