@@ -3,7 +3,7 @@
 A class with only ``backward`` is a plain ``custom_vjp`` (``_function.py``).
 A class with ``jvp`` becomes a ``jax.custom_jvp`` (symbolic zeros, so
 ``needs_input_grad`` is real) whose rule runs the user's forward and returns
-the output tangent through ``_jax_internals.linear_call``:
+the output tangent through ``_linear_call.linear_call``:
 
 - ``jax.jvp``/``jax.jacfwd`` evaluate that call: the user's ``jvp`` runs;
 - ``jax.grad``/``jax.vjp``/``jax.jacrev`` transpose it: the user's
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _anomaly, _jax_internals
+from . import _anomaly, _jax_internals, _linear_call
 from ._args import Layout, split_residuals
 from ._ctx import FunctionCtx, _short_repr, is_array
 from ._once import call_without_derivative
@@ -105,7 +105,7 @@ class _Rule:
 
         backward_rule.takes_symbolic_zeros = True  # backward sees None for absent gradients
         if self.linear and self.outputs:
-            computed = _jax_internals.linear_call(
+            computed = _linear_call.linear_call(
                 res_arrays,
                 [tangents[d] for d in self.linear],
                 apply=self.apply_jvp,

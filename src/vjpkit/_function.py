@@ -310,9 +310,6 @@ class _Program:
         _anomaly.check_finite(self.spec.name, method, list(zip(labels, grads)))
 
 
-_JAX_NO_FORWARD_MODE = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
-
-
 def _no_forward_mode(spec: _Spec) -> TypeError:
     return TypeError(
         f"{spec.name} has no forward-mode derivative (jax.jvp, jax.jacfwd, "
@@ -397,7 +394,7 @@ class _Cache:
         except TypeError as e:
             # JAX reuses a forward rule it traced for reverse mode, so vjpkit's
             # own check in _fwd can be skipped; name the class here instead.
-            if str(e).startswith(_JAX_NO_FORWARD_MODE):
+            if _jax_internals.is_forward_mode_of_custom_vjp_error(e):
                 raise _no_forward_mode(spec) from None
             raise
         except Exception as e:

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _jax_internals
 from ._args import static_key_of
 from ._ctx import is_array
 
@@ -244,7 +245,7 @@ def gradgradcheck(
     )
     tolerances = _Tolerances(float(eps), float(atol), float(rtol), float(nondet_tol))
     args = _as_args(inputs)
-    with jax.enable_x64(True):
+    with _jax_internals.enable_x64(True):
         outputs = _output_ports(fn, args)
     if grad_outputs is None:
         rng = np.random.default_rng(0)
@@ -930,7 +931,7 @@ def _checker(fn: Callable, partition: _Partition, diff: list, fixed: list, optio
 def _run(fn, args, options, tol, naming, raise_exception) -> bool:
     _validate(options, tol)
     try:
-        with jax.enable_x64(True):
+        with _jax_internals.enable_x64(True):
             _check(fn, args, options, tol, naming)
     except GradcheckError:
         if raise_exception:

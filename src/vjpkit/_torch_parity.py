@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _jax_internals
+
 __all__ = ["assert_matches_torch"]
 
 
@@ -115,7 +117,7 @@ def assert_matches_torch(
             t_second = [None] * len(wrt)
 
     # --- the port, in float64 ----------------------------------------------
-    with jax.enable_x64(True):
+    with _jax_internals.enable_x64(True):
         j_inputs = [jnp.asarray(_as_float64(v)) if _is_array(v) else v for v in inputs]
 
         def port(*xs: Any) -> list:
