@@ -36,7 +36,9 @@ class Linear(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, sizes, *, rngs):
-        self.layers = nnx.List(Linear(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:]))
+        # nnx.List (Flax 0.12 and later) marks a list of submodules; older Flax takes a plain list.
+        layer_list = getattr(nnx, "List", list)
+        self.layers = layer_list(Linear(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:]))
 
     def __call__(self, x):
         *hidden, last = self.layers

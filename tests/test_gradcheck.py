@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import vjpkit
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from gc_functions import Exp, LinearFunction
 
 RNG = np.random.default_rng(0)
@@ -41,7 +42,7 @@ def mismatches(fn, inputs, **kw):
 
 def true_jacobian(fn, inputs, output, argnum):
     """The (input elements, output elements) block of fn's Jacobian, from jax.jacobian."""
-    with jax.enable_x64(True):
+    with enable_x64(True):
         jac = jax.jacobian(lambda *a: fn(*a)[output] if output is not None else fn(*a), argnum)(*inputs)
         out_size = np.size(fn(*inputs)[output] if output is not None else fn(*inputs))
     return np.asarray(jac).reshape(out_size, -1).T

@@ -38,6 +38,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import vjpkit
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 
 # ---------------------------------------------------------------------------
 # The Functions, each with a known derivative.
@@ -500,7 +501,7 @@ def check(program: Program, transform: str, jit: bool, dtype: str, seed: int, li
         # long runs (the thorough profile) would grow without bound.
         _transformed.cache_clear()
         jax.clear_caches()
-    with jax.enable_x64(dtype == "float64"):
+    with enable_x64(dtype == "float64"):
         floats, ints = inputs(program, dtype, seed)
         got = transformed(program, transform, jit, lib)(floats, ints)
         expected = transformed(program, transform, jit, None)(floats, ints)

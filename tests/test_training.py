@@ -89,10 +89,13 @@ def test_fused_cross_entropies_give_autodiff_gradients():
 def test_fused_cross_entropies_need_less_temporary_memory_than_autodiff():
     import memory
 
-    temp = memory.measure(tokens=1024, d_model=128, vocab=16384)
+    tokens, vocab = 1024, 16384
+    temp = memory.measure(tokens=tokens, d_model=128, vocab=vocab)
     plain = temp["plain autodiff"]
-    # Autodiff keeps logits and softmax, SoftmaxCrossEntropy the logits only.
-    assert temp["SoftmaxCrossEntropy"] / plain <= 0.55
+    # Autodiff keeps logits and softmax, SoftmaxCrossEntropy the logits only:
+    # one float32 (tokens, vocab) buffer less (XLA before 0.5 adds one more
+    # such buffer to both, so the saving, not the ratio, is the invariant).
+    assert plain - temp["SoftmaxCrossEntropy"] >= 0.95 * tokens * vocab * 4
     # LinearCrossEntropy holds a few (tokens, 4096) chunks instead of (tokens, 16384).
     assert temp["LinearCrossEntropy"] / plain <= 0.25
 

@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 from typing import Any, Callable
 
 import jax
-import jax.interpreters.ad as ad
-import jax.interpreters.batching as batching
-import jax.interpreters.mlir as mlir
-from jax.extend.core import Primitive
 
 # The newest JAX that vjpkit's whole test suite passed with (the oldest is
 # pyproject.toml's floor, 0.4.38).
 NEWEST_TESTED_JAX = "0.10.2"
+
+
+def _missing(what: str) -> ImportError:
+    return ImportError(
+        f"vjpkit needs {what}, which JAX {jax.__version__} does not have. vjpkit was "
+        f"tested with JAX 0.4.38 to {NEWEST_TESTED_JAX}: install a JAX in that range "
+        f"(pip install 'jax<={NEWEST_TESTED_JAX}'), or a vjpkit release that supports this JAX."
+    )
 
 
 def _require(owner: Any, name: str, where: str) -> Any:
@@ -31,30 +36,27 @@ def _require(owner: Any, name: str, where: str) -> Any:
     try:
         return getattr(owner, name)
     except AttributeError:
-        raise ImportError(
-            f"vjpkit needs {where}.{name}, which JAX {jax.__version__} does not have. "
-            f"vjpkit was tested with JAX 0.4.38 to {NEWEST_TESTED_JAX}: install a JAX in "
-            f"that range (pip install 'jax<={NEWEST_TESTED_JAX}'), or a vjpkit release "
-            "that supports this JAX."
-        ) from None
+        raise _missing(f"{where}.{name}") from None
 
 
 def _require_module(path: str) -> Any:
     try:
         return importlib.import_module(path)
     except ImportError:
-        raise ImportError(
-            f"vjpkit needs the module {path}, which JAX {jax.__version__} does not have. "
-            f"vjpkit was tested with JAX 0.4.38 to {NEWEST_TESTED_JAX}: install a JAX in "
-            f"that range (pip install 'jax<={NEWEST_TESTED_JAX}'), or a vjpkit release "
-            "that supports this JAX."
-        ) from None
+        raise _missing(f"the module {path}") from None
 
 
+# Public in every supported JAX: the primitive machinery _linear_call.py uses.
+ad = _require_module("jax.interpreters.ad")
+batching = _require_module("jax.interpreters.batching")
+mlir = _require_module("jax.interpreters.mlir")
+Primitive = _require(_require_module("jax.extend.core"), "Primitive", "jax.extend.core")
+# No public name in some supported JAX.
 _core = _require_module("jax._src.core")
 _config = _require_module("jax._src.config")
 _array = _require_module("jax._src.array")
 _pe = _require_module("jax._src.interpreters.partial_eval")
+_ad_internal = _require_module("jax._src.interpreters.ad")
 
 # The concrete type of a non-traced jax.Array (apply's fast path tests it).
 ArrayImpl = _require(_array, "ArrayImpl", "jax._src.array")
@@ -64,9 +66,7 @@ _DynamicJaxprTrace = _require(_pe, "DynamicJaxprTrace", "jax._src.interpreters.p
 _JaxprTrace = _require(_pe, "JaxprTrace", "jax._src.interpreters.partial_eval")
 _JVPTrace = _require(ad, "JVPTrace", "jax.interpreters.ad")
 _JVP_CUSTOM_VJP_CODE = _require(_JVPTrace, "process_custom_vjp_call", "jax.interpreters.ad.JVPTrace").__code__
-_LINEARIZE_FROM_JVP_CODE = _require(
-    _require_module("jax._src.interpreters.ad"), "linearize_from_jvp", "jax._src.interpreters.ad"
-).__code__
+_LINEARIZE_FROM_JVP_CODE = _require(_ad_internal, "linearize_from_jvp", "jax._src.interpreters.ad").__code__
 
 # Names the linear_call primitive (_linear_call.py) builds on: public in every
 # supported JAX, checked here so that their loss is reported as the others'.
@@ -304,13 +304,21 @@ def thread_local_flag(name: str) -> Any:
     except TypeError:
         pass
     # JAX 0.4.38: ``Config(default, include_in_jit_key)`` joins the dispatch
-    # key only; the trace cache key is ``config.trace_context()``'s tuple,
-    # which every caller reads through the module, so the state is appended.
+    # key only. The trace caches key on ``config.trace_context()``, a fixed
+    # tuple, and hold that function itself (not its module attribute), so its
+    # code is swapped for code that also returns vjpkit's states (looked up
+    # in that module's namespace, where the original code is kept too).
     state = config_ext.Config(False, True)
     trace_context = _config.trace_context
-
-    def trace_context_with_flag() -> tuple:
-        return (*trace_context(), state.value)
-
-    _config.trace_context = trace_context_with_flag
+    namespace = trace_context.__globals__
+    if "_vjpkit_trace_states" not in namespace:
+        namespace["_vjpkit_trace_states"] = []
+        namespace["_vjpkit_trace_context"] = types.FunctionType(trace_context.__code__, namespace)
+        trace_context.__code__ = _trace_context_with_vjpkit_states.__code__
+    namespace["_vjpkit_trace_states"].append(state)
     return state
+
+
+def _trace_context_with_vjpkit_states() -> tuple:
+    """The code ``thread_local_flag`` gives JAX 0.4.38's ``config.trace_context``."""
+    return (*_vjpkit_trace_context(), *[s.value for s in _vjpkit_trace_states])  # noqa: F821

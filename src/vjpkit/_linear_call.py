@@ -104,7 +104,7 @@ def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, nam
 
 def _with_zeros_as_none(rule: Callable, zero: tuple) -> Callable:
     def rule_with_zeros(res: tuple, cts: tuple) -> list:
-        return rule(res, tuple(None if z else ct for z, ct in zip(zero, cts)))
+        return rule(res, tuple(None if z else ct for z, ct in zip(zero, cts, strict=True)))
 
     return rule_with_zeros
 
@@ -128,7 +128,7 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
 
     def along_moving(*values: Any) -> list:
         full = list(primals)
-        for i, value in zip(moving, values):
+        for i, value in zip(moving, values, strict=True):
             full[i] = value
         res_, lin_ = _split(full, num_res)
         return list(apply(res_, lin_))
@@ -149,11 +149,11 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
     res, lin = _split(args, num_res)
     res_dims, lin_dims = _split(dims, num_res)
     res = tuple(
-        x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(res, res_dims)
+        x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(res, res_dims, strict=True)
     )
     res_axes = tuple(None if d is None else 0 for d in res_dims)
     # Every linear input batched at 0: the transposed rule then maps cleanly.
-    lin = tuple(batching.bdim_at_front(x, d, size) for x, d in zip(lin, lin_dims))
+    lin = tuple(batching.bdim_at_front(x, d, size) for x, d in zip(lin, lin_dims, strict=True))
 
     def vmapped(rule: Callable) -> Callable:
         def batched_rule(r: tuple, xs: tuple) -> list:
