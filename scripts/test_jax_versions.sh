@@ -5,6 +5,7 @@
 #   scripts/test_jax_versions.sh 0.4.38 0.10.2            # the whole suite
 #   scripts/test_jax_versions.sh 0.4.38 -- tests/test_x.py -x   # pytest args after --
 #   scripts/test_jax_versions.sh --setup-only 0.5.3       # build the venv only
+#   scripts/test_jax_versions.sh --show-output 0.4.38     # pytest's output too (CI)
 #
 # Each venv ($VJPKIT_VENVS/jax-VERSION, default /work/venvs) is built once and
 # reused: first jax==V and jaxlib==V alone, then `pip install -e .` exactly as a
@@ -22,12 +23,14 @@ EXTRAS=${VJPKIT_EXTRAS:-test,examples,ecosystem}
 TORCH=${VJPKIT_TORCH:-torch==2.13.0}
 
 setup_only=0
+show_output=0
 versions=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --setup-only) setup_only=1 ;;
+        --show-output) show_output=1 ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) versions+=("$1") ;;
     esac
     shift
@@ -75,15 +78,21 @@ for v in "${versions[@]}"; do
     log="$venv/pytest.log"
     echo "=== JAX $v: running the tests (log: $log)" >&2
     start=$(date +%s)
-    (cd "$REPO" && PYTHONPATH="$REPO/src" "$venv/bin/python" -m pytest -p no:cacheprovider "${pytest_args[@]}") \
-        > "$log" 2>&1
-    rc=$?
+    if [ $show_output -eq 1 ]; then
+        (cd "$REPO" && PYTHONPATH="$REPO/src" "$venv/bin/python" -m pytest -p no:cacheprovider "${pytest_args[@]}") \
+            2>&1 | tee "$log"
+        rc=${PIPESTATUS[0]}
+    else
+        (cd "$REPO" && PYTHONPATH="$REPO/src" "$venv/bin/python" -m pytest -p no:cacheprovider "${pytest_args[@]}") \
+            > "$log" 2>&1
+        rc=$?
+    fi
     secs=$(( $(date +%s) - start ))
     tail -n 1 "$log" >&2
     count() { grep -oE "[0-9]+ $1" <(tail -n 1 "$log") | head -n 1 | cut -d' ' -f1; }
     passed=$(count passed); failed=$(count failed); errors=$(count 'errors?'); skipped=$(count skipped)
     [ $rc -ne 0 ] && status=1
-    rows+=("$(printf '%-8s  %6s  %6s  %6s  %7s  %6ss' "$v" "${passed:-0}" "$(( ${failed:-0} + ${errors:-0} ))" \
+    rows+=("$(printf '%-8s  %6s  %6s  %7s  %4s  %6ss' "$v" "${passed:-0}" "$(( ${failed:-0} + ${errors:-0} ))" \
         "${skipped:-0}" "$rc" "$secs")")
 done
 
@@ -91,7 +100,7 @@ echo
 if [ $setup_only -eq 1 ]; then
     printf '%s\n' "${rows[@]:-all venvs ready}"
 else
-    printf '%-8s  %6s  %6s  %6s  %7s  %7s\n' "JAX" "passed" "failed" "skipped" "exit" "time"
+    printf '%-8s  %6s  %6s  %7s  %4s  %7s\n' "JAX" "passed" "failed" "skipped" "exit" "time"
     printf '%s\n' "${rows[@]}"
 fi
 exit $status

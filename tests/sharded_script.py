@@ -20,10 +20,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import vjpkit  # noqa: E402
-from vjpkit._jax_internals import shard_map  # noqa: E402  # jax.shard_map, or its older home
+
+if hasattr(jax, "shard_map"):
+    shard_map = jax.shard_map
+else:
+    # JAX before 0.6: jax.experimental.shard_map, whose replication check has
+    # no rule for a custom_vjp with symbolic zeros (vjpkit's), so it is off.
+    import functools  # noqa: E402
+
+    from jax.experimental.shard_map import shard_map as _experimental_shard_map  # noqa: E402
+
+    shard_map = functools.partial(_experimental_shard_map, check_rep=False)
 
 
 class Linear(vjpkit.Function):
