@@ -12,6 +12,7 @@ the same small regression as equinox_module.py: fit ``sin(3x)`` on [-1, 1].
 """
 
 import argparse
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,10 @@ def mse(model, x, y):
 @nnx.jit
 def train_step(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(mse)(model, x, y)
-    optimizer.update(model, grads)
+    if "model" in inspect.signature(optimizer.update).parameters:
+        optimizer.update(model, grads)  # Flax 0.11 and later
+    else:
+        optimizer.update(grads)  # Flax 0.10, the newest that accepts JAX 0.4.38
     return loss
 
 

@@ -375,9 +375,29 @@ def callback_vjp(callback, vmap_method):
 
     def bwd(x, g):
         shape = jax.ShapeDtypeStruct(g.shape, g.dtype)
+        if vmap_method is None:
+            return (_without_vmap(callback, shape)(x, g),)
         return (jax.pure_callback(callback, shape, x, g, vmap_method=vmap_method),)
 
     return custom_vjp(jnp.sin, bwd)
+
+
+def _without_vmap(callback, shape):
+    """A host call that vmap refuses with NotImplementedError.
+
+    What JAX's pure_callback without a vmap_method does from JAX 0.5 on
+    (0.4.38 loops over the batch instead, with a DeprecationWarning).
+    """
+
+    @jax.custom_batching.custom_vmap
+    def host_call(x, g):
+        return jax.pure_callback(callback, shape, x, g, vmap_method="sequential")
+
+    @host_call.def_vmap
+    def no_rule(axis_size, in_batched, x, g):
+        raise NotImplementedError("this host call has no vmap rule")
+
+    return host_call
 
 
 def sin_backward(x, g):
