@@ -81,28 +81,6 @@ for _module, _where, _names in (
         _require(_module, _name, _where)
 ShapedArray = jax.core.ShapedArray
 
-__all__ = [
-    "NEWEST_TESTED_JAX",
-    "ArrayImpl",
-    "EvalTrace",
-    "Primitive",
-    "ShapedArray",
-    "ad",
-    "batching",
-    "mlir",
-    "current_trace",
-    "is_staging",
-    "called_from_forward_mode",
-    "is_forward_mode_of_custom_vjp_error",
-    "varying_axes",
-    "cast_to_varying",
-    "symbolic_zero_like",
-    "enable_x64",
-    "shard_map",
-    "thread_local_flag",
-]
-
-
 # ---------------------------------------------------------------------------
 # The current trace, read by apply's fast path.
 #
@@ -112,15 +90,18 @@ __all__ = [
 # trace (even with closed-over concrete arrays) it must inline instead.
 
 if hasattr(_core, "trace_state_strong_ref"):
-    # JAX 0.7 and later keep the current trace in a thread-local config state
+    # JAX 0.10 and later keep the current trace in a thread-local config state
     # (``trace_ctx.trace`` is a property reading it): read it directly.
     current_trace: Any = _core.trace_state_strong_ref
 else:
-    # JAX 0.4.38 to 0.6 keep it as a plain attribute of the thread-local
+    # JAX 0.4.38 to 0.9 keep it as a plain attribute of the thread-local
     # ``trace_ctx``; one property lookup gives it the same ``.value`` face.
     class _CurrentTrace:
         __slots__ = ()
-        value = property(lambda _self, _ctx=_trace_ctx: _ctx.trace)
+
+        @property
+        def value(self) -> Any:
+            return _trace_ctx.trace
 
     current_trace = _CurrentTrace()
 
@@ -163,10 +144,9 @@ def called_from_forward_mode(max_depth: int = 32) -> bool:
     custom_vjp function", which cannot name the user's class. Looking for
     ``JVPTrace.process_custom_vjp_call`` among the callers lets vjpkit raise
     its own error while tracing. Only meaningful with
-    ``jax_use_direct_linearize`` on (the default from JAX 0.7; off before,
-    where reverse mode itself runs through ``JVPTrace`` and this returns
-    False: ``is_forward_mode_of_custom_vjp_error`` then recognises JAX's own
-    error), where reverse mode goes through ``JVPTrace`` only to linearize a
+    ``jax_use_direct_linearize`` on (the default from JAX 0.7; before, see
+    ``_forward_mode_without_direct_linearize``), where reverse mode goes
+    through ``JVPTrace`` only to linearize a
     primitive that has no linearize rule (``jax.checkpoint``'s ``remat_p``):
     ``ad.fallback_linearize_rule`` runs its JVP through
     ``ad.linearize_from_jvp``, which is not forward mode, so that frame
@@ -174,7 +154,7 @@ def called_from_forward_mode(max_depth: int = 32) -> bool:
     """
     if not _direct_linearize.value:
         return _forward_mode_without_direct_linearize(sys._getframe(1))
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return False
@@ -231,7 +211,7 @@ def is_forward_mode_of_custom_vjp_error(e: BaseException) -> bool:
 
 
 # The abstract value (shape, dtype, weak type, ...) of an array or tracer:
-# ``jax._src.core.typeof`` from JAX 0.5 (``get_aval`` was removed later),
+# ``jax._src.core.typeof`` from JAX 0.5 (``get_aval`` is gone by 0.10),
 # ``get_aval`` in JAX 0.4.38.
 _aval: Callable[[Any], Any] = getattr(_core, "typeof", None) or _require(_core, "get_aval", "jax._src.core")
 
@@ -241,7 +221,7 @@ def varying_axes(x: Any) -> frozenset:
 
     Why: inside ``shard_map`` the type of an array says whether it varies
     across devices, and a ``custom_vjp`` gradient must have its input's type.
-    JAX 0.10 calls that set ``aval.mat.varying``, JAX 0.6.1 to 0.9
+    JAX 0.10 calls that set ``aval.mat.varying``, JAX 0.6 to 0.9
     ``aval.vma``; older JAX has no such types (its shard_map checks
     replication itself), so nothing varies.
     """
@@ -256,8 +236,8 @@ def cast_to_varying(x: Any, axes: tuple) -> Any:
     """``x`` retyped as varying along ``axes`` (its values unchanged)."""
     if hasattr(jax.lax, "pcast"):  # JAX 0.8 and later
         return jax.lax.pcast(x, axes, to="varying")
-    # JAX 0.6.1 to 0.7 (older JAX has no varying types, so never asks).
-    return jax.lax.pvary(x, axes)
+    # JAX 0.6 and 0.7 (older JAX has no varying types, so never asks).
+    return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]
 
 
 def symbolic_zero_like(x: Any) -> Any:
@@ -270,18 +250,12 @@ def symbolic_zero_like(x: Any) -> Any:
 # ---------------------------------------------------------------------------
 # Public API that moved.
 
-# ``jax.enable_x64(bool)``: a thread-local context manager; JAX before 0.6
-# has it as ``jax.experimental.enable_x64``.
+# ``jax.enable_x64(bool)``: a thread-local context manager; JAX before 0.8
+# has it as ``jax.experimental.enable_x64`` (gone from JAX 0.10).
 if hasattr(jax, "enable_x64"):
     enable_x64: Callable[[bool], Any] = jax.enable_x64
 else:
-    from jax.experimental import enable_x64
-
-# ``jax.shard_map`` (JAX 0.6 and later); before, ``jax.experimental.shard_map``.
-if hasattr(jax, "shard_map"):
-    shard_map: Callable = jax.shard_map
-else:
-    from jax.experimental.shard_map import shard_map
+    enable_x64 = _require(_require_module("jax.experimental"), "enable_x64", "jax.experimental")
 
 
 # ---------------------------------------------------------------------------
@@ -299,14 +273,14 @@ def thread_local_flag(name: str) -> Any:
     """
     config_ext = _require(_config, "config_ext", "jax._src.config")
     try:
-        # JAX 0.5 and later: the state names itself and joins both keys.
+        # JAX 0.8 and later: the state names itself and joins both keys.
         return config_ext.Config(name, False, include_in_jit_key=True, include_in_trace_context=True)
     except TypeError:
         pass
-    # JAX 0.4.38: ``Config(default, include_in_jit_key)`` joins the dispatch
-    # key only. The trace caches key on ``config.trace_context()``, a fixed
-    # tuple, and hold that function itself (not its module attribute), so its
-    # code is swapped for code that also returns vjpkit's states (looked up
+    # JAX 0.4.38 to 0.7: ``Config(default, include_in_jit_key)`` joins the
+    # dispatch key only. The trace caches key on ``config.trace_context()``, a
+    # fixed tuple, and hold that function itself (not its module attribute), so
+    # its code is swapped for code that also returns vjpkit's states (looked up
     # in that module's namespace, where the original code is kept too).
     state = config_ext.Config(False, True)
     trace_context = _config.trace_context
@@ -320,5 +294,5 @@ def thread_local_flag(name: str) -> Any:
 
 
 def _trace_context_with_vjpkit_states() -> tuple:
-    """The code ``thread_local_flag`` gives JAX 0.4.38's ``config.trace_context``."""
-    return (*_vjpkit_trace_context(), *[s.value for s in _vjpkit_trace_states])  # noqa: F821
+    """The code ``thread_local_flag`` gives ``config.trace_context`` in JAX 0.4.38 to 0.7."""
+    return (*_vjpkit_trace_context(), *[s.value for s in _vjpkit_trace_states])  # type: ignore[name-defined]  # noqa: F821
