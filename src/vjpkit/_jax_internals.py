@@ -247,6 +247,13 @@ def symbolic_zero_like(x: Any) -> Any:
     return SymbolicZero(_aval(x).strip_weak_type().to_tangent_aval())
 
 
+# JAX 0.4.38 to 0.7 cache every jit that eager reverse mode transposes
+# (``pjit._pjit_transpose_trace``, keyed by a module-level function, so never
+# dropped) until ``jax.clear_caches()``: a program vjpkit's cache drops stays
+# alive there if an eager ``jax.grad`` transposed it. JAX 0.8 removed it.
+JAX_KEEPS_TRANSPOSED_JITS = hasattr(_require_module("jax._src.pjit"), "_pjit_transpose_trace")
+
+
 # ---------------------------------------------------------------------------
 # Public API that moved.
 
