@@ -249,6 +249,13 @@ class _Program:
         return tuple(kinds)
 
     def _bwd(self, residuals: _Residuals, cotangents: Packed) -> tuple:
+        cts = self._bwd_cotangents(residuals, cotangents)
+        if not _jax_internals.BWD_STRUCTURE_IS_FIXED:
+            return cts
+        kinds = [residuals.meta.in_kinds[k] for k in self.layout.dynamic]
+        return tuple(_jax_internals.zero_cotangent(*kind) if ct is None else ct for ct, kind in zip(cts, kinds, strict=True))
+
+    def _bwd_cotangents(self, residuals: _Residuals, cotangents: Packed) -> tuple:
         meta = residuals.meta
         grads = output_cotangents(
             cotangents.layout, cotangents.arrays, meta.out_avals, meta.differentiable, meta.materialize

@@ -254,6 +254,23 @@ def symbolic_zero_like(x: Any) -> Any:
 JAX_KEEPS_TRANSPOSED_JITS = hasattr(_require_module("jax._src.pjit"), "_pjit_transpose_trace")
 
 
+# JAX 0.5 to 0.7 assert that every call of a custom_vjp's bwd returns the same
+# pytree structure (``linear_util._get_result_paths_thunk``), yet call one bwd
+# again when a cached jaxpr is transposed again (``jax.grad`` then
+# ``jax.jacrev``) with other inputs differentiated: there a cotangent vjpkit
+# leaves out (None) is returned as a SymbolicZero of the input's type instead.
+BWD_STRUCTURE_IS_FIXED = hasattr(_require_module("jax._src.linear_util"), "_get_result_paths_thunk")
+
+
+def zero_cotangent(shape: tuple, dtype: Any, varying: frozenset) -> Any:
+    """A ``SymbolicZero`` cotangent for an input of this type (JAX 0.5 to 0.7)."""
+    from jax.custom_derivatives import SymbolicZero
+
+    # Varying types (``vma``) exist from JAX 0.6.
+    aval = ShapedArray(shape, dtype, vma=frozenset(varying)) if varying else ShapedArray(shape, dtype)  # type: ignore[call-arg]
+    return SymbolicZero(aval.to_tangent_aval())
+
+
 # ---------------------------------------------------------------------------
 # Public API that moved.
 
