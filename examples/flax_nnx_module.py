@@ -12,6 +12,7 @@ the same small regression as equinox_module.py: fit ``sin(3x)`` on [-1, 1].
 """
 
 import argparse
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,9 @@ class Linear(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, sizes, *, rngs):
-        self.layers = nnx.List(Linear(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:], strict=True))
+        # nnx.List (Flax 0.12 and later) marks a list of submodules; older Flax takes a plain list.
+        layer_list = getattr(nnx, "List", list)
+        self.layers = layer_list(Linear(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:], strict=True))
 
     def __call__(self, x):
         *hidden, last = self.layers
@@ -51,7 +54,10 @@ def mse(model, x, y):
 @nnx.jit
 def train_step(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(mse)(model, x, y)
-    optimizer.update(model, grads)
+    if "model" in inspect.signature(optimizer.update).parameters:
+        optimizer.update(model, grads)  # Flax 0.11 and later
+    else:
+        optimizer.update(grads)  # Flax 0.10, the newest that accepts JAX 0.4.38
     return loss
 
 

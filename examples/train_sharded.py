@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from train_mlp import batches, init_params, load_data, make_train_step
 
@@ -71,9 +71,9 @@ def main():
     args = parser.parse_args()
 
     devices = jax.devices()
-    # Auto axes: XLA decides how intermediates are sharded, as in plain
-    # jit code (Explicit axes would ask the user's backward for out_sharding).
-    mesh = jax.make_mesh((len(devices),), ("batch",), axis_types=(AxisType.Auto,))
+    # Auto axes (Mesh's default): XLA decides how intermediates are sharded, as
+    # in plain jit code (Explicit axes would ask the user's backward for out_sharding).
+    mesh = Mesh(np.array(devices), ("batch",))
     # A multiple of the device count near 64, so every device gets equal rows.
     batch_size = len(devices) * max(1, 64 // len(devices))
     print(f"{len(devices)} devices ({devices[0].platform}), batch {batch_size} "

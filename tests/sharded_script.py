@@ -20,10 +20,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 import vjpkit  # noqa: E402
+
+REPLICATION_CHECKED = hasattr(jax, "shard_map")
+if REPLICATION_CHECKED:
+    shard_map = jax.shard_map
+else:
+    # JAX before 0.6: jax.experimental.shard_map, whose replication check has
+    # no rule for a custom_vjp with symbolic zeros (vjpkit's), so it is off.
+    import functools  # noqa: E402
+
+    from jax.experimental.shard_map import shard_map as _experimental_shard_map  # noqa: E402
+
+    shard_map = functools.partial(_experimental_shard_map, check_rep=False)
 
 
 class Linear(vjpkit.Function):
@@ -78,7 +90,7 @@ def main():
     x = jnp.asarray(rng.normal(size=(16, 3)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)
 
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))  # Auto axes: Mesh's default
     batch = NamedSharding(mesh, P("data"))
     replicated = NamedSharding(mesh, P())
     xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
@@ -118,7 +130,7 @@ def main():
         close(got, per_example(params, x[:, None], y[:, None]))
 
     def shard_map_forward():
-        f = jax.shard_map(model, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+        f = shard_map(model, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
         close(jax.jit(f)(ps, xs), single_out)
 
     def shard_map_grad():
@@ -126,23 +138,29 @@ def main():
             # Each device holds 2 of the 16 rows: sum, then mean over all.
             return jax.lax.psum(((model(params, x) - y) ** 2).sum(), "data") / y.size / 8
 
-        f = jax.shard_map(
-            jax.grad(local_loss), mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
-        )
+        def plain_local_loss(params, x, y):
+            return jax.lax.psum(((jnp.tanh(x @ params["w"].T + params["b"]) - y) ** 2).sum(), "data") / y.size / 8
+
+        def sharded(loss):
+            specs = dict(mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
+            return jax.jit(shard_map(jax.grad(loss), **specs))
+
         # Gradients are per-device partial sums over the local rows.
-        g = jax.jit(f)(ps, xs, ys)
-        close(g, single_grad)
+        g = sharded(local_loss)(ps, xs, ys)
+        close(g, sharded(plain_local_loss)(ps, xs, ys))  # as JAX's own autodiff
+        if REPLICATION_CHECKED:  # without the check JAX leaves them per device
+            close(g, single_grad)
 
     def grad_of_shard_map():
         def sharded_loss(params, x, y):
-            f = jax.shard_map(model, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+            f = shard_map(model, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
             return ((f(params, x) - y) ** 2).mean()
 
         close(jax.jit(jax.grad(sharded_loss))(ps, xs, ys), single_grad)
 
     def shard_map_grad_of_sharded_input():
         def sharded_loss(params, x, y):
-            f = jax.shard_map(model, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+            f = shard_map(model, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
             return ((f(params, x) - y) ** 2).mean()
 
         got = jax.jit(jax.grad(sharded_loss, argnums=(0, 1)))(ps, xs, ys)
@@ -162,7 +180,7 @@ def main():
         def local_loss(x, b):
             return jax.lax.psum(Shift.apply(x, b).sum(), "data")
 
-        f = jax.shard_map(
+        f = shard_map(
             jax.grad(local_loss), mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")
         )
         close(jax.jit(f)(xs, ps["b"][:3]), jnp.ones_like(x))

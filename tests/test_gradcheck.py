@@ -17,6 +17,7 @@ import pytest
 from gc_functions import Exp, HostRowScale, LinearFunction
 
 import vjpkit
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((2, 3))
@@ -52,7 +53,7 @@ def mismatches(fn, inputs, **kw):
 
 def true_jacobian(fn, inputs, output, argnum):
     """The (input elements, output elements) block of fn's Jacobian, from jax.jacobian."""
-    with jax.enable_x64(True):
+    with enable_x64(True):
         jac = jax.jacobian(lambda *a: fn(*a)[output] if output is not None else fn(*a), argnum)(*inputs)
         out_size = np.size(fn(*inputs)[output] if output is not None else fn(*inputs))
     return np.asarray(jac).reshape(out_size, -1).T
@@ -409,9 +410,29 @@ def callback_vjp(callback, vmap_method):
 
     def bwd(x, g):
         shape = jax.ShapeDtypeStruct(g.shape, g.dtype)
+        if vmap_method is None:
+            return (_without_vmap(callback, shape)(x, g),)
         return (jax.pure_callback(callback, shape, x, g, vmap_method=vmap_method),)
 
     return custom_vjp(jnp.sin, bwd)
+
+
+def _without_vmap(callback, shape):
+    """A host call that vmap refuses with NotImplementedError.
+
+    What JAX's pure_callback without a vmap_method does from JAX 0.5 on
+    (0.4.38 loops over the batch instead, with a DeprecationWarning).
+    """
+
+    @jax.custom_batching.custom_vmap
+    def host_call(x, g):
+        return jax.pure_callback(callback, shape, x, g, vmap_method="sequential")
+
+    @host_call.def_vmap
+    def no_rule(axis_size, in_batched, x, g):
+        raise NotImplementedError("this host call has no vmap rule")
+
+    return host_call
 
 
 def sin_backward(x, g):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import vjpkit
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 from numpy_rank import TrimmedMean, trimmed_mean_jnp  # noqa: E402
@@ -832,7 +833,7 @@ def test_64_bit_arrays_cross_exactly_where_the_callback_thread_has_x64_off():
 
         return jax.grad(total, argnums=(0, 1))
 
-    with jax.enable_x64(True):
+    with enable_x64(True):
         x, n, z = jnp.asarray(x), jnp.asarray(n), jnp.asarray(z)
         forward = jax.jit(Wide).lower(x, n, z).compile()
         gradient = jax.jit(loss(Wide)).lower(x, z).compile()

@@ -39,6 +39,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import vjpkit
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 
 # ---------------------------------------------------------------------------
 # The Functions, each with a known derivative.
@@ -537,7 +538,7 @@ def check(program: Program, transform: str, jit: bool, dtype: str, seed: int, li
         # long runs (the thorough profile) would grow without bound.
         _transformed.cache_clear()
         jax.clear_caches()
-    with jax.enable_x64(dtype == "float64"):
+    with enable_x64(dtype == "float64"):
         floats, ints = inputs(program, dtype, seed)
         got = transformed(program, transform, jit, lib)(floats, ints)
         expected = transformed(program, transform, jit, None)(floats, ints)
@@ -627,7 +628,7 @@ def test_random_programs_using_the_mutated_sin_are_caught(program, seed):
     assume(np.prod(program.shape) > 0)
     program = Program(program.shape, (Stage("sin"), *program.stages))
     check(program, "grad", True, "float64", seed)
-    with jax.enable_x64(True):  # a chain of exps can overflow to inf, where any error hides
+    with enable_x64(True):  # a chain of exps can overflow to inf, where any error hides
         gradient = transformed(program, "grad", True, None)(*inputs(program, "float64", seed))
     assume(all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(gradient)))
     with pytest.raises(AssertionError):

@@ -15,6 +15,7 @@ import pytest
 
 import vjpkit
 from vjpkit._function import _Program
+from vjpkit._jax_internals import JAX_KEEPS_TRANSPOSED_JITS
 
 # ---------------------------------------------------------------------------
 # Threads
@@ -175,8 +176,13 @@ def test_programs_dropped_from_the_cache_free_their_compiled_code():
     Scale = _scale(cache_size=4)
     sizes = _traced_memory_by_quarter(Scale, 24, grads=True)
     assert Scale.cache_info().programs == 4
+    if JAX_KEEPS_TRANSPOSED_JITS:
+        # JAX 0.4.38 to 0.7 keep every jit that eager reverse mode transposed
+        # (vjpkit's programs as any other) until jax.clear_caches().
+        jax.clear_caches()
+    else:
+        assert sizes[3] - sizes[1] < 0.25 * sizes[0], sizes
     assert _alive_programs(Scale) == 4
-    assert sizes[3] - sizes[1] < 0.25 * sizes[0], sizes
 
 
 @pytest.mark.thorough  # 1,000 XLA compilations

@@ -9,6 +9,8 @@ saved tanh(x) is treated as a constant, so the second derivative is zero).
 import chex
 import jax
 import jax.numpy as jnp
+import pytest
+from jax import export  # a submodule JAX before 0.5 does not import by itself
 
 import vjpkit
 
@@ -214,9 +216,9 @@ def test_checkpoint_with_a_policy_inside_jit():
 
 
 def test_export_with_vjp_order_one():
-    exported = jax.export.export(jax.jit(loss))(X)
+    exported = export.export(jax.jit(loss))(X)
     blob = exported.serialize(vjp_order=1)
-    restored = jax.export.deserialize(blob)
+    restored = export.deserialize(blob)
     close(restored.call(X), plain_loss(X))
     close(jax.grad(restored.call)(X), jax.grad(plain_loss)(X))
 

@@ -3,7 +3,7 @@
 A class with only ``backward`` is a plain ``custom_vjp`` (``_function.py``).
 A class with ``jvp`` becomes a ``jax.custom_jvp`` (symbolic zeros, so
 ``needs_input_grad`` is real) whose rule runs the user's forward and returns
-the output tangent through ``linear_call`` (``_tie.OwnDerivative``):
+the output tangent through ``_linear_call.linear_call`` (``_tie.OwnDerivative``):
 
 - ``jax.jvp``/``jax.jacfwd`` evaluate that call: the user's ``jvp`` runs;
 - ``jax.grad``/``jax.vjp``/``jax.jacrev`` transpose it: the user's

@@ -30,7 +30,7 @@ from ._caches import on_clear
 from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
 from ._outputs import Packed
-from ._program import Program, Residuals, Spec, called_from_linearize, linearizing
+from ._program import Program, Residuals, Spec
 from ._tie import tie_outputs
 from ._tree import Partition, Unkeyable, static_key
 
@@ -90,7 +90,7 @@ class _Program(Program):
                 "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
                 "jax.jacfwd)."
             )
-        if _jax_internals.called_from_forward_mode() or called_from_linearize():
+        if _jax_internals.called_from_forward_mode() or _jax_internals.called_from_linearize():
             raise _no_forward_mode(spec)
         arrays = tuple(p.value for p in primals)
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
@@ -99,10 +99,15 @@ class _Program(Program):
         return tie_outputs(self, arrays, packed, residuals)
 
     def _bwd(self, residuals: Residuals, cotangents: Packed) -> tuple:
-        return tuple(self.run_backward(residuals, cotangents.layout, cotangents.arrays))
-
-
-_JAX_NO_FORWARD_MODE = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+        cts = tuple(self.run_backward(residuals, cotangents.layout, cotangents.arrays))
+        if not _jax_internals.BWD_STRUCTURE_IS_FIXED:
+            return cts
+        # JAX 0.5 to 0.7: every bwd call must return one structure, so no None.
+        kinds = [kind for kind in residuals.meta.in_kinds if kind is not None]
+        return tuple(
+            _jax_internals.zero_cotangent(*kind[:3]) if ct is None else ct
+            for ct, kind in zip(cts, kinds, strict=True)
+        )
 
 
 def _no_forward_mode(spec: Spec) -> TypeError:
@@ -338,7 +343,7 @@ def _clear_function_caches() -> None:
 def _run_in_trace(entry: _Entry, arrays: Any) -> Any:
     """A call while JAX traces (or of a ``jit = False`` class)."""
     spec = entry.program.spec
-    if spec.jvp is None and linearizing():  # JAX may reuse a forward rule traced for reverse mode
+    if spec.jvp is None and _jax_internals.linearizing():  # JAX may reuse a forward rule traced for reverse mode
         raise _no_forward_mode(spec)
     if entry.jitted is None or _jax_internals.is_staging():
         # Under an outer jit (or scan, checkpoint, ...) the custom_vjp inlines
@@ -353,7 +358,7 @@ def _reraise(spec: Spec, program: _Program, e: Exception) -> None:
         raise _leaked_tracer(spec, e) from None
     # JAX reuses a forward rule it traced for reverse mode, so vjpkit's own
     # check in _fwd can be skipped; name the class here instead.
-    if isinstance(e, TypeError) and str(e).startswith(_JAX_NO_FORWARD_MODE):
+    if _jax_internals.is_forward_mode_of_custom_vjp_error(e):
         raise _no_forward_mode(spec) from None
     if program.anomaly:  # a failed check, wrapped by JAX in JaxRuntimeError
         _anomaly.reraise_anomaly(e)

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _jax_internals
 from ._caches import on_clear
 from ._ctx import is_array
 from ._tree import Partition, partition, static_key
@@ -255,7 +256,7 @@ def gradgradcheck(
     )
     tolerances = _Tolerances(float(eps), float(atol), float(rtol), float(nondet_tol))
     args = _as_args(inputs)
-    with jax.enable_x64(True):
+    with _jax_internals.enable_x64(True):
         outputs = _output_ports(fn, args)
     if grad_outputs is None:
         rng = np.random.default_rng(0)
@@ -1011,7 +1012,7 @@ def _checker(fn: Callable, split: _Inputs, diff: list, fixed: list, options: _Op
 def _run(fn, args, options, tol, naming, raise_exception) -> bool:
     _validate(options, tol)
     try:
-        with jax.enable_x64(True):
+        with _jax_internals.enable_x64(True):
             _check(fn, args, options, tol, naming)
     except GradcheckError:
         if raise_exception:

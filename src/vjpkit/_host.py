@@ -41,7 +41,6 @@ The key differences to a JAX Function are:
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, NamedTuple
 
@@ -49,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _sharding
+from . import _jax_internals, _sharding
 from ._ctx import (
     FunctionCtx,
     _short_repr,
@@ -257,12 +256,6 @@ class _HostFunction:
         return jax.tree_util.tree_unflatten(treedef, leaves), f"{self.name}.output_shapes"
 
 
-# Compat: jax.enable_x64 is jax.experimental.enable_x64 before JAX 0.6 (to move
-# into _jax_internals, where the compat branch adds the same helper).
-_enable_x64: Any = getattr(jax, "enable_x64", None)
-if _enable_x64 is None:
-    _enable_x64 = importlib.import_module("jax.experimental").enable_x64
-
 # Dtypes that JAX narrows (to 32 bits) in a thread where x64 is off.
 _WIDE = frozenset(np.dtype(t) for t in (np.float64, np.int64, np.uint64, np.complex128))
 
@@ -290,7 +283,7 @@ def _pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: s
 
     def run(*xs: Any) -> list:
         xs = tuple(_np_from_words(x, d) if d in _WIDE else x for x, d in zip(xs, arg_dtypes, strict=True))
-        with _enable_x64(x64):
+        with _jax_internals.enable_x64(x64):
             results = treedef.flatten_up_to(callback(*xs))
         return [_np_to_words(r) if d in _WIDE else r for r, d in zip(results, out_dtypes, strict=True)]
 

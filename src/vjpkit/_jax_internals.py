@@ -1,37 +1,111 @@
-"""The only module that reaches into ``jax._src``.
+"""Everything vjpkit needs from JAX that differs between JAX versions.
 
-Checked against JAX 0.10.2 (``pyproject.toml`` pins ``jax>=0.10.2,<0.11``).
-Each function says which private name it relies on, so that a JAX upgrade
-that moves one fails here, loudly, rather than somewhere in a trace.
+The only module that imports ``jax._src``, and the only one that knows which
+JAX it runs on: vjpkit supports every JAX from 0.4.38 on, and was last tested
+with ``NEWEST_TESTED_JAX``. Each name is found by looking for it (not by
+comparing version strings), and each branch says which JAX versions take it
+and why. A name vjpkit cannot work without is looked up here, at import: a
+JAX that no longer has it fails ``import vjpkit`` with an ImportError naming
+it, instead of an AttributeError deep inside a trace.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 import sys
-from typing import Any, Callable, Sequence
+import types
+from typing import Any, Callable, NamedTuple
 
 import jax
-from jax._src import config as _config
-from jax._src.array import ArrayImpl
-from jax._src import core as _core
-from jax._src.interpreters import ad as _ad
-from jax._src.interpreters import batching as _batching
-from jax._src.interpreters import mlir as _mlir
-from jax._src.interpreters import partial_eval as _pe
 
-__all__ = ["ArrayImpl", "current_trace", "EvalTrace", "is_staging", "called_from_forward_mode", "linear_call", "symbolic_zero_like", "varying_axes"]
-
-_DynamicJaxprTrace = _pe.DynamicJaxprTrace
-_JVP_CUSTOM_VJP_CODE = _ad.JVPTrace.process_custom_vjp_call.__code__
+# The newest JAX that vjpkit's whole test suite passed with (the oldest is
+# pyproject.toml's floor, 0.4.38).
+NEWEST_TESTED_JAX = "0.10.2"
 
 
-# apply's fast path reads the current trace without a function call (~50 ns):
+def _missing(what: str) -> ImportError:
+    return ImportError(
+        f"vjpkit needs {what}, which JAX {jax.__version__} does not have. vjpkit was "
+        f"tested with JAX 0.4.38 to {NEWEST_TESTED_JAX}: install a JAX in that range "
+        f"(pip install 'jax<={NEWEST_TESTED_JAX}'), or a vjpkit release that supports this JAX."
+    )
+
+
+def _require(owner: Any, name: str, where: str) -> Any:
+    """``owner.name``, or an ImportError that says what is missing and what was tested."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise _missing(f"{where}.{name}") from None
+
+
+def _require_module(path: str) -> Any:
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        raise _missing(f"the module {path}") from None
+
+
+# Public in every supported JAX: the primitive machinery _linear_call.py uses.
+ad = _require_module("jax.interpreters.ad")
+batching = _require_module("jax.interpreters.batching")
+mlir = _require_module("jax.interpreters.mlir")
+Primitive = _require(_require_module("jax.extend.core"), "Primitive", "jax.extend.core")
+# No public name in some supported JAX.
+_core = _require_module("jax._src.core")
+_config = _require_module("jax._src.config")
+_array = _require_module("jax._src.array")
+_pe = _require_module("jax._src.interpreters.partial_eval")
+_ad_internal = _require_module("jax._src.interpreters.ad")
+
+# The concrete type of a non-traced jax.Array (apply's fast path tests it).
+ArrayImpl = _require(_array, "ArrayImpl", "jax._src.array")
+EvalTrace = _require(_core, "EvalTrace", "jax._src.core")
+_trace_ctx = _require(_core, "trace_ctx", "jax._src.core")
+_DynamicJaxprTrace = _require(_pe, "DynamicJaxprTrace", "jax._src.interpreters.partial_eval")
+_JaxprTrace = _require(_pe, "JaxprTrace", "jax._src.interpreters.partial_eval")
+_JVPTrace = _require(ad, "JVPTrace", "jax.interpreters.ad")
+_JVP_CUSTOM_VJP_CODE = _require(_JVPTrace, "process_custom_vjp_call", "jax.interpreters.ad.JVPTrace").__code__
+_LINEARIZE_FROM_JVP_CODE = _require(_ad_internal, "linearize_from_jvp", "jax._src.interpreters.ad").__code__
+
+# Names the linear_call primitive (_linear_call.py) builds on: public in every
+# supported JAX, checked here so that their loss is reported as the others'.
+for _module, _where, _names in (
+    (ad, "jax.interpreters.ad", ("Zero", "instantiate_zeros", "is_undefined_primal", "primitive_jvps",
+                                 "primitive_transposes")),
+    (batching, "jax.interpreters.batching", ("fancy_primitive_batchers", "bdim_at_front")),
+    (mlir, "jax.interpreters.mlir", ("register_lowering", "lower_fun")),
+    (jax.core, "jax.core", ("ShapedArray",)),
+):
+    for _name in _names:
+        _require(_module, _name, _where)
+ShapedArray = jax.core.ShapedArray
+
+# ---------------------------------------------------------------------------
+# The current trace, read by apply's fast path.
+#
+# apply's fast path reads the current trace without a function call:
 # ``type(current_trace.value) is EvalTrace`` means no transformation is
 # tracing, so an all-concrete call may run the compiled program; under a
 # trace (even with closed-over concrete arrays) it must inline instead.
-# Relies on ``core.trace_state_strong_ref`` and ``core.EvalTrace``.
-current_trace = _core.trace_state_strong_ref
-EvalTrace = _core.EvalTrace
+
+if hasattr(_core, "trace_state_strong_ref"):
+    # JAX 0.10 and later keep the current trace in a thread-local config state
+    # (``trace_ctx.trace`` is a property reading it): read it directly.
+    current_trace: Any = _core.trace_state_strong_ref
+else:
+    # JAX 0.4.38 to 0.9 keep it as a plain attribute of the thread-local
+    # ``trace_ctx``; one property lookup gives it the same ``.value`` face.
+    class _CurrentTrace:
+        __slots__ = ()
+
+        @property
+        def value(self) -> Any:
+            return _trace_ctx.trace
+
+    current_trace = _CurrentTrace()
 
 
 def is_staging() -> bool:
@@ -40,14 +114,27 @@ def is_staging() -> bool:
     Why: calling an inner ``jax.jit`` while an outer one traces leaves a
     nested call in the program (extra HLO instructions); under a staging
     trace vjpkit calls its ``custom_vjp`` directly so it inlines instead.
-    Relies on ``core.trace_ctx.trace`` and each trace's ``parent_trace``.
+    Every supported JAX chains traces through ``parent_trace``.
     """
-    trace = _core.trace_ctx.trace
+    trace = _trace_ctx.trace
     while trace is not None:
         if isinstance(trace, _DynamicJaxprTrace):
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+# ---------------------------------------------------------------------------
+# Forward mode applied to a custom_vjp function.
+
+if hasattr(_config, "use_direct_linearize"):
+    _direct_linearize = _config.use_direct_linearize
+else:
+    # A JAX that dropped the flag linearizes directly, always.
+    class _AlwaysOn:
+        value = True
+
+    _direct_linearize = _AlwaysOn()
 
 
 def called_from_forward_mode(max_depth: int = 32) -> bool:
@@ -59,15 +146,17 @@ def called_from_forward_mode(max_depth: int = 32) -> bool:
     custom_vjp function", which cannot name the user's class. Looking for
     ``JVPTrace.process_custom_vjp_call`` among the callers lets vjpkit raise
     its own error while tracing. Only meaningful with
-    ``jax_use_direct_linearize`` on (the default), where reverse mode goes
-    through ``JVPTrace`` only to linearize a primitive that has no linearize
-    rule (``jax.checkpoint``'s ``remat_p``): ``ad.fallback_linearize_rule``
-    runs its JVP through ``ad.linearize_from_jvp``, which is not forward
-    mode, so that frame further up the stack means reverse mode.
+    ``jax_use_direct_linearize`` on (the default from JAX 0.7; before, see
+    ``_forward_mode_without_direct_linearize``), where reverse mode goes
+    through ``JVPTrace`` only to linearize a
+    primitive that has no linearize rule (``jax.checkpoint``'s ``remat_p``):
+    ``ad.fallback_linearize_rule`` runs its JVP through
+    ``ad.linearize_from_jvp``, which is not forward mode, so that frame
+    further up the stack means reverse mode.
     """
-    if not _config.use_direct_linearize.value:
-        return False
-    frame = sys._getframe(1)
+    if not _direct_linearize.value:
+        return _forward_mode_without_direct_linearize(sys._getframe(1))
+    frame: Any = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return False
@@ -77,7 +166,27 @@ def called_from_forward_mode(max_depth: int = 32) -> bool:
     return False
 
 
-_LINEARIZE_FROM_JVP_CODE = _ad.linearize_from_jvp.__code__
+_JVP_PRIMITIVE_CODE = _JVPTrace.process_primitive.__code__
+
+
+def _forward_mode_without_direct_linearize(frame: Any) -> bool:
+    """``called_from_forward_mode`` where JAX linearizes by JVP and partial evaluation.
+
+    JAX before 0.7 (or with ``jax_use_direct_linearize`` off) runs reverse
+    mode through ``JVPTrace`` too, staging its tangents into a
+    partial-evaluation ``JaxprTrace``: reverse mode has such a ``JVPTrace``
+    among the callers (directly, or around the ``jit``, ``checkpoint`` or
+    ``scan`` whose JVP traces the forward rule); forward mode has none.
+    """
+    in_jvp = False
+    while frame is not None:
+        code = frame.f_code
+        if code is _JVP_CUSTOM_VJP_CODE or code is _JVP_PRIMITIVE_CODE:
+            in_jvp = True
+            if isinstance(getattr(frame.f_locals.get("self"), "parent_trace", None), _JaxprTrace):
+                return False
+        frame = frame.f_back
+    return in_jvp
 
 
 def _linearizing_by_jvp(frame: Any) -> bool:
@@ -89,211 +198,90 @@ def _linearizing_by_jvp(frame: Any) -> bool:
     return False
 
 
+# JAX's own error (its wording in every supported version) when forward mode
+# reaches a custom_vjp function whose forward rule it traced for reverse mode.
+_JAX_NO_FORWARD_MODE = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+
+
+def is_forward_mode_of_custom_vjp_error(e: BaseException) -> bool:
+    """Whether ``e`` is JAX's "forward mode applied to a custom_vjp function" error."""
+    return isinstance(e, TypeError) and str(e).startswith(_JAX_NO_FORWARD_MODE)
+
+
+# ---------------------------------------------------------------------------
+# shard_map's varying types.
+
+
+# The abstract value (shape, dtype, weak type, ...) of an array or tracer:
+# ``jax._src.core.typeof`` from JAX 0.5 (``get_aval`` is gone by 0.10),
+# ``get_aval`` in JAX 0.4.38.
+_aval: Callable[[Any], Any] = getattr(_core, "typeof", None) or _require(_core, "get_aval", "jax._src.core")
+
+
 def varying_axes(x: Any) -> frozenset:
-    """The ``jax.shard_map`` mesh axes along which ``x`` differs between devices.
+    """The ``shard_map`` mesh axes along which ``x`` differs between devices.
 
     Why: inside ``shard_map`` the type of an array says whether it varies
     across devices, and a ``custom_vjp`` gradient must have its input's type.
-    Relies on the aval's ``mat.varying`` (called ``vma`` before JAX 0.10).
+    JAX 0.10 calls that set ``aval.mat.varying``, JAX 0.6 to 0.9
+    ``aval.vma``; older JAX has no such types (its shard_map checks
+    replication itself), so nothing varies.
     """
-    return jax.typeof(x).mat.varying
+    aval = _aval(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def cast_to_varying(x: Any, axes: tuple) -> Any:
+    """``x`` retyped as varying along ``axes`` (its values unchanged)."""
+    if hasattr(jax.lax, "pcast"):  # JAX 0.8 and later
+        return jax.lax.pcast(x, axes, to="varying")
+    # JAX 0.6 and 0.7 (older JAX has no varying types, so never asks).
+    return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]
 
 
 def symbolic_zero_like(x: Any) -> Any:
     """A ``SymbolicZero`` tangent for primal ``x`` (float0 for integer ``x``)."""
     from jax.custom_derivatives import SymbolicZero
 
-    return SymbolicZero(_core.typeof(x).strip_weak_type().to_tangent_aval())
+    return SymbolicZero(_aval(x).strip_weak_type().to_tangent_aval())
+
+
+# JAX 0.4.38 to 0.7 cache every jit that eager reverse mode transposes
+# (``pjit._pjit_transpose_trace``, keyed by a module-level function, so never
+# dropped) until ``jax.clear_caches()``: a program vjpkit's cache drops stays
+# alive there if an eager ``jax.grad`` transposed it. JAX 0.8 removed it.
+JAX_KEEPS_TRANSPOSED_JITS = hasattr(_require_module("jax._src.pjit"), "_pjit_transpose_trace")
+
+
+# JAX 0.5 to 0.7 assert that every call of a custom_vjp's bwd returns the same
+# pytree structure (``linear_util._get_result_paths_thunk``), yet call one bwd
+# again when a cached jaxpr is transposed again (``jax.grad`` then
+# ``jax.jacrev``) with other inputs differentiated: there a cotangent vjpkit
+# leaves out (None) is returned as a SymbolicZero of the input's type instead.
+BWD_STRUCTURE_IS_FIXED = hasattr(_require_module("jax._src.linear_util"), "_get_result_paths_thunk")
+
+
+def zero_cotangent(shape: tuple, dtype: Any, varying: frozenset) -> Any:
+    """A ``SymbolicZero`` cotangent for an input of this type (JAX 0.5 to 0.7)."""
+    from jax.custom_derivatives import SymbolicZero
+
+    # Varying types (``vma``) exist from JAX 0.6.
+    aval = ShapedArray(shape, dtype, vma=frozenset(varying)) if varying else ShapedArray(shape, dtype)  # type: ignore[call-arg]
+    return SymbolicZero(aval.to_tangent_aval())
 
 
 # ---------------------------------------------------------------------------
-# ``linear_call``: a function linear in some inputs, with its own transpose.
-#
-# Forward mode needs the user's ``jvp`` and reverse mode the user's
-# ``backward`` on ONE function, which neither ``custom_jvp`` nor
-# ``custom_vjp`` allows (jax#3996). vjpkit's ``custom_jvp`` rule returns its
-# tangent through this primitive: evaluating it runs ``apply`` (the user's
-# jvp); transposing it binds the same primitive with ``apply`` and
-# ``transpose`` swapped (so reverse mode runs the user's backward, and the
-# transpose of the transpose is the jvp again). Unlike JAX's own
-# ``custom_derivatives.linear_call`` it batches (both rules, lazily, under
-# ``jax.vmap``) and its JVP also differentiates through the residuals, so
-# ``jax.hessian``, ``jacfwd(jacrev)`` and ``jacrev(jacfwd)`` are right.
+# Public API that moved.
 
-_linear_call_p = _core.Primitive("vjpkit_linear_call")
-_linear_call_p.multiple_results = True
-
-
-def linear_call(
-    residuals: Sequence[Any],
-    linear_inputs: Sequence[Any],
-    *,
-    apply: Callable,
-    transpose: Callable | None,
-    out_avals: Sequence[Any],
-    name: str,
-) -> list:
-    """``apply(residuals, linear_inputs)``, linear in ``linear_inputs``.
-
-    ``transpose(residuals, cotangents)`` returns one cotangent per linear
-    input; ``None`` means "transpose ``apply`` with ``jax.linear_transpose``".
-    A ``transpose`` with the attribute ``takes_symbolic_zeros`` receives
-    ``None`` for cotangents that JAX knows are zero.
-    ``out_avals`` are ``apply``'s output types (no tracing to find them).
-    """
-    return _linear_call_p.bind(
-        *residuals,
-        *linear_inputs,
-        num_res=len(residuals),
-        apply=apply,
-        transpose=transpose,
-        out_avals=tuple(out_avals),
-        name=name,
-    )
-
-
-def _split(args: Sequence[Any], num_res: int) -> tuple[tuple, tuple]:
-    return tuple(args[:num_res]), tuple(args[num_res:])
-
-
-def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name):
-    res, lin = _split(args, num_res)
-    return list(apply(res, lin))
-
-
-_linear_call_p.def_impl(_linear_call_impl)
-_linear_call_p.def_abstract_eval(lambda *args, out_avals, **_: list(out_avals))
-_mlir.register_lowering(_linear_call_p, _mlir.lower_fun(_linear_call_impl, multiple_results=True))
-
-
-def _transpose_by_jax(apply: Callable, name: str, in_avals: Sequence[Any]) -> Callable:
-    def transposed(res: tuple, cts: tuple) -> list:
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
-        try:
-            linear_transpose = jax.linear_transpose(lambda *lin: list(apply(res, lin)), *structs)
-            return list(linear_transpose(list(cts)))
-        except Exception as e:  # JAX raises several types for non-linear code
-            raise TypeError(
-                f"{name} defines jvp but no backward, so reverse mode (jax.grad, "
-                f"jax.vjp, jax.jacrev) transposes {name}.jvp, which must then be "
-                "linear in the tangents and written in transposable JAX "
-                f"operations; transposing it failed: {_transpose_failure(e)}. Define "
-                f"{name}.backward(ctx, *grad_outputs) instead."
-            ) from e
-
-    return transposed
-
-
-def _transpose_failure(e: Exception) -> str:
-    """What JAX's failed transpose says, or what it means where JAX says nothing useful.
-
-    Why: a product of two tangents, or a comparison of one, fails an internal
-    assertion of JAX's transpose, whose text is empty or a tuple of JAX's
-    accumulator objects. (harden: belongs with ``_transpose_by_jax``.)
-    """
-    text = str(e).strip()
-    if isinstance(e, AssertionError) or not text:
-        return (
-            "JAX met an operation that is not linear in the tangents (such as a product of "
-            "two tangents, or a comparison or branch on one)"
-        )
-    return text
-
-
-def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name):
-    res, lin = _split(args, num_res)
-    if any(_ad.is_undefined_primal(r) for r in res):
-        raise TypeError(f"{name}: internal error: a residual of linear_call is linear.")
-    in_avals = tuple(x.aval for x in lin)
-    zero = tuple(type(ct) is _ad.Zero for ct in cts)
-    cts = [_ad.instantiate_zeros(ct) for ct in cts]
-    if transpose is None:
-        transpose = _transpose_by_jax(apply, name, in_avals)
-    elif any(zero) and getattr(transpose, "takes_symbolic_zeros", False):
-        # The rule wants to know which cotangents JAX knows are zero (vjpkit:
-        # backward sees None for them when materialization is off).
-        transpose = _with_zeros_as_none(transpose, zero)
-    cts_in = linear_call(res, cts, apply=transpose, transpose=apply, out_avals=in_avals, name=name)
-    return [None] * num_res + list(cts_in)
-
-
-def _with_zeros_as_none(rule: Callable, zero: tuple) -> Callable:
-    def rule_with_zeros(res: tuple, cts: tuple) -> list:
-        return rule(res, tuple(None if z else ct for z, ct in zip(zero, cts)))
-
-    return rule_with_zeros
-
-
-def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name):
-    params = dict(num_res=num_res, apply=apply, transpose=transpose, out_avals=out_avals, name=name)
-    res, lin = _split(primals, num_res)
-    d_res, d_lin = _split(tangents, num_res)
-    if all(type(t) is _ad.Zero for t in d_res):
-        # Only the linear inputs move: the derivative is the call itself, same rules.
-        out = _linear_call_p.bind(*primals, **params)
-        if all(type(t) is _ad.Zero for t in d_lin):
-            return out, [_ad.Zero(a.to_tangent_aval()) for a in out_avals]
-        return out, _linear_call_p.bind(*res, *map(_ad.instantiate_zeros, d_lin), **params)
-    # The residuals move too: differentiate the rule's JAX code along every
-    # moving input at once. (Splitting it into call(res, d_lin) + d/d_res
-    # computes shared factors twice, and XLA does not merge a@w + b@w.) Inputs
-    # with symbolic-zero tangents stay constants, so no work is spent on them.
-    # The linearization of JAX code is transposable: reverse-over-forward works.
-    moving = [i for i, t in enumerate(tangents) if type(t) is not _ad.Zero]
-
-    def along_moving(*values: Any) -> list:
-        full = list(primals)
-        for i, value in zip(moving, values):
-            full[i] = value
-        res_, lin_ = _split(full, num_res)
-        return list(apply(res_, lin_))
-
-    out, tangent_out = jax.jvp(
-        along_moving, [primals[i] for i in moving], [tangents[i] for i in moving]
-    )
-    return list(out), list(tangent_out)
-
-
-def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name):
-    if all(d is None for d in dims):
-        out = linear_call(
-            args[:num_res], args[num_res:], apply=apply, transpose=transpose, out_avals=out_avals, name=name
-        )
-        return out, [None] * len(out)
-    size = axis_data.size
-    res, lin = _split(args, num_res)
-    res_dims, lin_dims = _split(dims, num_res)
-    res = tuple(
-        x if d is None else _batching.moveaxis(x, d, 0) for x, d in zip(res, res_dims)
-    )
-    res_axes = tuple(None if d is None else 0 for d in res_dims)
-    # Every linear input batched at 0: the transposed rule then maps cleanly.
-    lin = tuple(_batching.bdim_at_front(x, d, size) for x, d in zip(lin, lin_dims))
-
-    def vmapped(rule: Callable) -> Callable:
-        def batched_rule(r: tuple, xs: tuple) -> list:
-            return jax.vmap(lambda r_, xs_: list(rule(r_, xs_)), in_axes=(res_axes, 0))(r, xs)
-
-        batched_rule.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)
-        return batched_rule
-
-    batched_out_avals = tuple(
-        _core.ShapedArray((size, *a.shape), a.dtype, weak_type=a.weak_type) for a in out_avals
-    )
-    out = linear_call(
-        res,
-        lin,
-        apply=vmapped(apply),
-        transpose=None if transpose is None else vmapped(transpose),
-        out_avals=batched_out_avals,
-        name=name,
-    )
-    return out, [0] * len(out)
-
-
-_ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
-_ad.primitive_transposes[_linear_call_p] = _linear_call_transpose
-_batching.fancy_primitive_batchers[_linear_call_p] = _linear_call_batch
+# ``jax.enable_x64(bool)``: a thread-local context manager; JAX before 0.8
+# has it as ``jax.experimental.enable_x64`` (gone from JAX 0.10).
+if hasattr(jax, "enable_x64"):
+    enable_x64: Callable[[bool], Any] = jax.enable_x64
+else:
+    enable_x64 = _require(_require_module("jax.experimental"), "enable_x64", "jax.experimental")
 
 
 # ---------------------------------------------------------------------------
@@ -307,9 +295,180 @@ def thread_local_flag(name: str) -> Any:
     that ``jax.jit`` traced without it must not be reused with it (nor the
     reverse). JAX puts such states in its dispatch and trace cache keys, and
     keeps their local values per thread. Relies on ``jaxlib``'s
-    ``config_ext.Config`` with ``include_in_jit_key`` and
-    ``include_in_trace_context``, as ``jax._src.config`` builds its own.
+    ``config_ext.Config``, as ``jax._src.config`` builds its own.
     """
-    return _config.config_ext.Config(
-        name, False, include_in_jit_key=True, include_in_trace_context=True
+    config_ext = _require(_config, "config_ext", "jax._src.config")
+    try:
+        # JAX 0.8 and later: the state names itself and joins both keys.
+        return config_ext.Config(name, False, include_in_jit_key=True, include_in_trace_context=True)
+    except TypeError:
+        pass
+    # JAX 0.4.38 to 0.7: ``Config(default, include_in_jit_key)`` joins the
+    # dispatch key only. The trace caches key on ``config.trace_context()``, a
+    # fixed tuple, and hold that function itself (not its module attribute), so
+    # its code is swapped for code that also returns vjpkit's states (looked up
+    # in that module's namespace, where the original code is kept too).
+    state = config_ext.Config(False, True)
+    trace_context = _config.trace_context
+    namespace = trace_context.__globals__
+    if "_vjpkit_trace_states" not in namespace:
+        namespace["_vjpkit_trace_states"] = []
+        namespace["_vjpkit_trace_context"] = types.FunctionType(trace_context.__code__, namespace)
+        trace_context.__code__ = _trace_context_with_vjpkit_states.__code__
+    namespace["_vjpkit_trace_states"].append(state)
+    return state
+
+
+def _trace_context_with_vjpkit_states() -> tuple:
+    """The code ``thread_local_flag`` gives ``config.trace_context`` in JAX 0.4.38 to 0.7."""
+    return (*_vjpkit_trace_context(), *[s.value for s in _vjpkit_trace_states])  # type: ignore[name-defined]  # noqa: F821
+
+
+# ---------------------------------------------------------------------------
+# jax.linearize told apart from reverse mode (``LinearizeTrace.is_vjp``: JAX 0.5
+# and later; older JAX linearizes through ``JVPTrace``, where
+# ``called_from_forward_mode`` sees it, and these say no).
+
+_LINEARIZE_CUSTOM_VJP_CODE = getattr(
+    getattr(getattr(_ad_internal, "LinearizeTrace", None), "process_custom_vjp_call", None), "__code__", None
+)
+
+
+def called_from_linearize(max_depth: int = 32) -> bool:
+    """Whether a ``custom_vjp`` forward rule is being run by ``jax.linearize`` (forward mode).
+
+    Why: ``jax.vjp`` and ``jax.linearize`` both run the forward rule through
+    ``LinearizeTrace.process_custom_vjp_call``; only its ``is_vjp`` flag tells
+    reverse mode from ``jax.linearize``, whose linear map then fails with
+    JAX's generic "can't apply forward-mode autodiff" (no class name) when
+    evaluated. Relies on ``ad.LinearizeTrace`` (JAX >= 0.5; older JAX
+    linearizes through ``JVPTrace``, which ``called_from_forward_mode`` sees).
+    """
+    if _LINEARIZE_CUSTOM_VJP_CODE is None:
+        return False
+    frame: Any = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code is _LINEARIZE_CUSTOM_VJP_CODE:
+            return not getattr(frame.f_locals.get("self"), "is_vjp", True)
+        frame = frame.f_back
+    return False
+
+
+def linearizing() -> bool:
+    """Whether the innermost differentiation around the current call is ``jax.linearize``.
+
+    Why: once a jitted program has been differentiated in reverse mode, JAX
+    reuses the forward rule it traced, so ``called_from_linearize`` never
+    runs; the trace ``apply`` is called under still says. Relies on
+    ``core.trace_ctx.trace``, each trace's ``parent_trace`` and
+    ``ad.LinearizeTrace.is_vjp``.
+    """
+    linearize_trace = getattr(_ad_internal, "LinearizeTrace", None)
+    if linearize_trace is None:
+        return False
+    trace = _trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, linearize_trace):
+            return not getattr(trace, "is_vjp", True)
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Sharding types: Explicit mesh axes and shard_map's varying types (``_sharding.py``).
+
+
+class ShardingApi(NamedTuple):
+    """What this JAX offers for sharding types; ``None`` fields where it offers nothing."""
+
+    get_abstract_mesh: Callable | None  # () -> the context's AbstractMesh
+    use_abstract_mesh: Callable | None  # context manager: trace under another AbstractMesh
+    reshard: Callable | None  # (x, PartitionSpec | NamedSharding) -> x with that type
+    auto: Any  # AxisType.Auto
+    sharding_type_error: type | None  # raised by an ambiguous operation under Explicit axes
+    varying_axes: Callable | None  # x -> frozenset of shard_map axes x varies along
+    mark_varying: Callable | None  # (x, axes: tuple) -> x typed as varying along axes too
+    debug_callback_everywhere: dict  # jax.debug.callback's keywords to run on every device
+
+
+@functools.cache
+def sharding_api() -> ShardingApi:
+    """This JAX's explicit-sharding and shard_map-varying API.
+
+    Explicit axes (``jax.sharding.AxisType``, ``use_abstract_mesh``,
+    ``reshard``) came in JAX 0.5-0.6; 0.4.38 has none. Varying types came in
+    JAX 0.6: ``typeof(x).vma`` and ``lax.pvary``, later
+    ``typeof(x).mat.varying`` and ``lax.pcast(..., to="varying")`` (0.10).
+    ``ShardingTypeError`` is only in ``jax._src.core``.
+    """
+    sharding = jax.sharding
+    explicit = all(
+        hasattr(sharding, name) for name in ("AxisType", "get_abstract_mesh", "use_abstract_mesh", "reshard")
     )
+    typeof = getattr(jax, "typeof", None)
+    varying_axes = mark_varying = None
+    if typeof is not None:
+        pcast = getattr(jax.lax, "pcast", None)
+        pvary = getattr(jax.lax, "pvary", None)
+        if pcast is not None:
+            mark_varying = functools.partial(pcast, to="varying")
+        elif pvary is not None:
+            mark_varying = pvary
+
+        def varying_axes(x: Any) -> frozenset:
+            aval = typeof(x)
+            mat = getattr(aval, "mat", None)
+            return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+    # partitioned=True runs a debug callback on every device (so in every
+    # process) with its local shard; without it, sharded programs run it on device 0.
+    everywhere = {"partitioned": True} if "partitioned" in inspect.signature(jax.debug.callback).parameters else {}
+
+    return ShardingApi(
+        get_abstract_mesh=sharding.get_abstract_mesh if explicit else None,
+        use_abstract_mesh=sharding.use_abstract_mesh if explicit else None,
+        reshard=sharding.reshard if explicit else None,
+        auto=sharding.AxisType.Auto if explicit else None,
+        sharding_type_error=getattr(_core, "ShardingTypeError", None) if explicit else None,
+        varying_axes=varying_axes if mark_varying is not None else None,
+        mark_varying=mark_varying,
+        debug_callback_everywhere=everywhere,
+    )
+
+
+# ---------------------------------------------------------------------------
+# The XLA FFI (``cpp_extension.py``).
+
+
+class FfiApi(NamedTuple):
+    include_dir: Callable[[], str]
+    pycapsule: Callable[[Any], Any]
+    register_ffi_target: Callable[..., None]
+    ffi_call: Callable[[str, Any, str], Callable[..., Any]]
+
+
+@functools.cache
+def ffi_api() -> FfiApi:
+    """JAX's FFI functions, wherever this JAX version keeps them.
+
+    Why: the FFI moved from ``jax.extend.ffi`` (JAX 0.4.38) to ``jax.ffi``
+    (JAX 0.5 onwards). Both versions take ``vmap_method=`` (``vectorized=``
+    is older than the supported range), with the three methods
+    ``load_inline`` accepts.
+    """
+    try:
+        from jax import ffi
+    except ImportError:
+        from jax.extend import ffi  # type: ignore[attr-defined, no-redef]
+
+    def ffi_call(target_name: str, result_shape_dtypes: Any, vmap_method: str) -> Callable[..., Any]:
+        return ffi.ffi_call(target_name, result_shape_dtypes, vmap_method=vmap_method)
+
+    return FfiApi(ffi.include_dir, ffi.pycapsule, ffi.register_ffi_target, ffi_call)
+
+
+# The running JAX's release, for cache keys only (a library compiled against
+# one JAX's FFI headers is rebuilt for another); vjpkit compares no versions.
+JAX_RELEASE: str = jax.__version__

@@ -251,7 +251,7 @@ def _fit_varying(g: Any, varying: frozenset) -> Any:
         g = jax.lax.psum(g, tuple(sorted(extra, key=str)))
     missing = varying - g_varying
     if missing:
-        g = jax.lax.pcast(g, tuple(sorted(missing, key=str)), to="varying")
+        g = _jax_internals.cast_to_varying(g, tuple(sorted(missing, key=str)))
     return g
 
 

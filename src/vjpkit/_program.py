@@ -16,14 +16,11 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
-import sys
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as _core
-from jax._src.interpreters import ad as _ad
 from jax.errors import (
     ConcretizationTypeError,
     TracerArrayConversionError,
@@ -179,53 +176,6 @@ def _user_line(e: BaseException) -> str:
 
 
 # -- JAX internals (to move into _jax_internals.py, which another change owns now) --
-
-_LINEARIZE_CUSTOM_VJP_CODE = getattr(
-    getattr(getattr(_ad, "LinearizeTrace", None), "process_custom_vjp_call", None), "__code__", None
-)
-
-
-def called_from_linearize(max_depth: int = 32) -> bool:
-    """Whether a ``custom_vjp`` forward rule is being run by ``jax.linearize`` (forward mode).
-
-    Why: ``jax.vjp`` and ``jax.linearize`` both run the forward rule through
-    ``LinearizeTrace.process_custom_vjp_call``; only its ``is_vjp`` flag tells
-    reverse mode from ``jax.linearize``, whose linear map then fails with
-    JAX's generic "can't apply forward-mode autodiff" (no class name) when
-    evaluated. Relies on ``ad.LinearizeTrace`` (JAX >= 0.5; older JAX
-    linearizes through ``JVPTrace``, which ``called_from_forward_mode`` sees).
-    """
-    if _LINEARIZE_CUSTOM_VJP_CODE is None:
-        return False
-    frame: Any = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return False
-        if frame.f_code is _LINEARIZE_CUSTOM_VJP_CODE:
-            return not getattr(frame.f_locals.get("self"), "is_vjp", True)
-        frame = frame.f_back
-    return False
-
-
-def linearizing() -> bool:
-    """Whether the innermost differentiation around the current call is ``jax.linearize``.
-
-    Why: once a jitted program has been differentiated in reverse mode, JAX
-    reuses the forward rule it traced, so ``called_from_linearize`` never
-    runs; the trace ``apply`` is called under still says. Relies on
-    ``core.trace_ctx.trace``, each trace's ``parent_trace`` and
-    ``ad.LinearizeTrace.is_vjp``.
-    """
-    linearize_trace = getattr(_ad, "LinearizeTrace", None)
-    if linearize_trace is None:
-        return False
-    trace = _core.trace_ctx.trace
-    while trace is not None:
-        if isinstance(trace, linearize_trace):
-            return not getattr(trace, "is_vjp", True)
-        trace = getattr(trace, "parent_trace", None)
-    return False
-
 
 def _cache_size(name: str, value: Any) -> int:
     # At least one program: a cache that keeps none would drop the program it just made.

@@ -21,17 +21,17 @@ ported ``torch.autograd.Function`` knows nothing of:
   types it as varying along every axis its inputs vary along.
 
 Everything that differs between JAX versions is looked up in one place,
-``_jax_sharding_api``; on a JAX without these types (0.4.38) every function
+``_jax_internals.sharding_api``; on a JAX without these types (0.4.38) every function
 here returns its input unchanged.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
+
+from . import _jax_internals
 
 __all__ = [
     "call_with_auto_axes",
@@ -44,71 +44,6 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------
-# VERSION-DEPENDENT: the only code here that differs between JAX versions.
-# (To move into _jax_internals.py.)
-
-
-class _ShardingApi(NamedTuple):
-    """What this JAX offers for sharding types; ``None`` fields where it offers nothing."""
-
-    get_abstract_mesh: Callable | None  # () -> the context's AbstractMesh
-    use_abstract_mesh: Callable | None  # context manager: trace under another AbstractMesh
-    reshard: Callable | None  # (x, PartitionSpec | NamedSharding) -> x with that type
-    auto: Any  # AxisType.Auto
-    sharding_type_error: type | None  # raised by an ambiguous operation under Explicit axes
-    varying_axes: Callable | None  # x -> frozenset of shard_map axes x varies along
-    mark_varying: Callable | None  # (x, axes: tuple) -> x typed as varying along axes too
-    debug_callback_everywhere: dict  # jax.debug.callback's keywords to run on every device
-
-
-@functools.cache
-def _jax_sharding_api() -> _ShardingApi:
-    """This JAX's explicit-sharding and shard_map-varying API.
-
-    Explicit axes (``jax.sharding.AxisType``, ``use_abstract_mesh``,
-    ``reshard``) came in JAX 0.5-0.6; 0.4.38 has none. Varying types came in
-    JAX 0.6: ``typeof(x).vma`` and ``lax.pvary``, later
-    ``typeof(x).mat.varying`` and ``lax.pcast(..., to="varying")`` (0.10).
-    ``ShardingTypeError`` is only in ``jax._src.core``.
-    """
-    sharding = jax.sharding
-    explicit = all(
-        hasattr(sharding, name) for name in ("AxisType", "get_abstract_mesh", "use_abstract_mesh", "reshard")
-    )
-    typeof = getattr(jax, "typeof", None)
-    varying_axes = mark_varying = None
-    if typeof is not None:
-        pcast = getattr(jax.lax, "pcast", None)
-        pvary = getattr(jax.lax, "pvary", None)
-        if pcast is not None:
-            mark_varying = functools.partial(pcast, to="varying")
-        elif pvary is not None:
-            mark_varying = pvary
-
-        def varying_axes(x: Any) -> frozenset:
-            aval = typeof(x)
-            mat = getattr(aval, "mat", None)
-            return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-    # partitioned=True runs a debug callback on every device (so in every
-    # process) with its local shard; without it, sharded programs run it on device 0.
-    everywhere = {"partitioned": True} if "partitioned" in inspect.signature(jax.debug.callback).parameters else {}
-
-    from jax._src import core
-
-    return _ShardingApi(
-        get_abstract_mesh=sharding.get_abstract_mesh if explicit else None,
-        use_abstract_mesh=sharding.use_abstract_mesh if explicit else None,
-        reshard=sharding.reshard if explicit else None,
-        auto=sharding.AxisType.Auto if explicit else None,
-        sharding_type_error=getattr(core, "ShardingTypeError", None) if explicit else None,
-        varying_axes=varying_axes if mark_varying is not None else None,
-        mark_varying=mark_varying,
-        debug_callback_everywhere=everywhere,
-    )
-
-
 def debug_callback_everywhere() -> dict:
     """Keywords for ``jax.debug.callback`` to run it on every device, in every process.
 
@@ -116,7 +51,7 @@ def debug_callback_everywhere() -> dict:
     so only process 0 would see what it reports. Empty on a JAX whose
     debug callbacks cannot run on every device (0.4.38).
     """
-    return dict(_jax_sharding_api().debug_callback_everywhere)
+    return dict(_jax_internals.sharding_api().debug_callback_everywhere)
 
 
 # ---------------------------------------------------------------------------
@@ -131,7 +66,7 @@ def vary_like(outputs: Any, inputs: Sequence[Any]) -> Any:
     so, JAX's ``shard_map`` autodiff and vjpkit's gradient fitting sum a
     replicated input's per-device gradients, as for any JAX operation.
     """
-    api = _jax_sharding_api()
+    api = _jax_internals.sharding_api()
     if api.mark_varying is None:
         return outputs
     varying = frozenset().union(*(api.varying_axes(x) for x in inputs))
@@ -159,7 +94,7 @@ def explicit_sharding(x: Any) -> Any:
     vjpkit keeps it from forward to backward (it is hashable, static data),
     to give ``x``'s gradient the same type.
     """
-    api = _jax_sharding_api()
+    api = _jax_internals.sharding_api()
     if api.get_abstract_mesh is None:
         return None
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -193,7 +128,7 @@ def call_with_auto_axes(fn: Callable, args: tuple, out_shardings: Sequence[Any])
     for the Explicit mesh cannot meet one typed for the Auto mesh.
     Without Explicit axes this is ``fn(*args)``.
     """
-    api = _jax_sharding_api()
+    api = _jax_internals.sharding_api()
     if api.get_abstract_mesh is None:
         return fn(*args)
     mesh = _mesh_of(api, args)
@@ -218,7 +153,7 @@ def call_with_auto_axes(fn: Callable, args: tuple, out_shardings: Sequence[Any])
     )
 
 
-def _mesh_of(api: _ShardingApi, args: Any) -> Any:
+def _mesh_of(api: _jax_internals.ShardingApi, args: Any) -> Any:
     """The context mesh, else (under ``jit`` with no ``jax.set_mesh``) the mesh in an input's type."""
     mesh = api.get_abstract_mesh()
     if not mesh.empty:
@@ -250,7 +185,7 @@ def _without_axes(spec: Any, axes: tuple) -> Any:
 
 def sharding_type_errors() -> tuple:
     """The exception types of an ambiguous sharding (empty on a JAX without Explicit axes)."""
-    error = _jax_sharding_api().sharding_type_error
+    error = _jax_internals.sharding_api().sharding_type_error
     return () if error is None else (error,)
 
 

@@ -35,7 +35,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _anomaly, _jax_internals, _sharding
 from ._ctx import _short_repr, closing, is_array, rule_ctx
-from ._jax_internals import linear_call
+from ._linear_call import linear_call
 from ._outputs import Packed, is_differentiable_dtype
 from ._program import Program, ResidualMeta, Residuals, naming_traced_values, profiled
 

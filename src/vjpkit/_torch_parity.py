@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _jax_internals
+
 __all__ = ["assert_matches_torch"]
 
 # Central differences of the first derivative, when the second orders disagree.
@@ -167,8 +169,8 @@ def assert_matches_torch(
             t_second = [None] * len(wrt)
 
     # --- the port, in float64 ----------------------------------------------
-    with jax.enable_x64(True):
-        j_inputs = [jnp.asarray(v) if _is_array(v) else v for v in inputs]
+    with _jax_internals.enable_x64(True):
+        j_inputs = [jnp.asarray(_as_float64(v)) if _is_array(v) else v for v in inputs]
 
         def port(*xs: Any) -> list:
             args = list(j_inputs)
@@ -441,3 +443,9 @@ def _float0(y: Any) -> np.ndarray:
 
 def _element(index: tuple) -> str:
     return "(" + ", ".join(str(int(i)) for i in index) + ("," if len(index) == 1 else "") + ")"
+
+
+def _as_float64(v: Any) -> np.ndarray:
+    """Floating inputs as float64 (JAX before 0.5 keeps a NumPy array's float32 under enable_x64)."""
+    a = np.asarray(v)
+    return a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a

@@ -67,7 +67,6 @@ Tips:
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import importlib
 import os
@@ -78,9 +77,11 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
+
+from . import _jax_internals
 
 __all__ = ["BuildError", "Extension", "FfiKernel", "default_build_directory", "load_inline"]
 
@@ -122,7 +123,7 @@ class FfiKernel:
         self, *args: Any, result_shape_dtypes: Any, vmap_method: str | None = None, **attributes: Any
     ) -> Any:
         method = self.vmap_method if vmap_method is None else _checked_vmap_method(vmap_method)
-        call = _jax_ffi_api().ffi_call(self.target_name, _shape_dtypes(result_shape_dtypes), method)
+        call = _jax_internals.ffi_api().ffi_call(self.target_name, _shape_dtypes(result_shape_dtypes), method)
         return call(*args, **attributes)
 
     def __repr__(self) -> str:
@@ -203,7 +204,7 @@ def load_inline(
         _check_identifier("function name", function)
     method = _checked_vmap_method(vmap_method)
 
-    api = _jax_ffi_api()
+    api = _jax_internals.ffi_api()
     compiler = _Compiler(extra_cflags, extra_ldflags, verbose)
     source = _SOURCE_PREFIX + cpp_source
     digest = _content_hash(name, source, compiler.signature(), api.include_dir())
@@ -233,36 +234,6 @@ def default_build_directory() -> pathlib.Path:
         return pathlib.Path(os.environ["VJPKIT_EXTENSIONS_DIR"])
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(cache) / "vjpkit" / "cpp_extensions"
-
-
-# --- JAX-version lookups (supported: JAX 0.4.38 to 0.10.2); to move into _jax_internals.py -------------------
-
-
-class _JaxFfiApi(NamedTuple):
-    include_dir: Callable[[], str]
-    pycapsule: Callable[[Any], Any]
-    register_ffi_target: Callable[..., None]
-    ffi_call: Callable[[str, Any, str], Callable[..., Any]]
-
-
-@functools.cache
-def _jax_ffi_api() -> _JaxFfiApi:
-    """JAX's FFI functions, wherever this JAX version keeps them.
-
-    Why: the FFI moved from ``jax.extend.ffi`` (JAX 0.4.38) to ``jax.ffi``
-    (JAX 0.5 onwards). Both versions take ``vmap_method=`` (``vectorized=``
-    is older than the supported range), with the three methods
-    ``load_inline`` accepts.
-    """
-    try:
-        from jax import ffi
-    except ImportError:
-        from jax.extend import ffi  # type: ignore[attr-defined, no-redef]
-
-    def ffi_call(target_name: str, result_shape_dtypes: Any, vmap_method: str) -> Callable[..., Any]:
-        return ffi.ffi_call(target_name, result_shape_dtypes, vmap_method=vmap_method)
-
-    return _JaxFfiApi(ffi.include_dir, ffi.pycapsule, ffi.register_ffi_target, ffi_call)
 
 
 # --- building ------------------------------------------------------------------------------------------------
@@ -347,7 +318,7 @@ def _new_ccompiler(spawn: Callable[..., None]) -> Any:
 
 def _content_hash(*parts: str) -> str:
     digest = hashlib.sha256()
-    for part in (*parts, jax.__version__):
+    for part in (*parts, _jax_internals.JAX_RELEASE):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()

@@ -1,0 +1,52 @@
+"""vjpkit beside any JAX from 0.4.38 on: one module knows the differences,
+and a JAX that lacks an internal vjpkit needs fails at import, naming it."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "vjpkit"
+
+
+def _import_vjpkit_after(setup: str) -> subprocess.CompletedProcess:
+    """Runs ``setup`` (which removes something from JAX), then ``import vjpkit``, in a fresh process."""
+    code = f"{setup}\nimport vjpkit\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def _newest_tested_jax() -> str:
+    text = (SRC / "_jax_internals.py").read_text()
+    return re.search(r'^NEWEST_TESTED_JAX = "([0-9.]+)"', text, re.MULTILINE).group(1)
+
+
+def test_missing_internal_name_fails_import_naming_it_and_the_newest_tested_jax():
+    run = _import_vjpkit_after("import jax._src.core as core\ndel core.EvalTrace")
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: vjpkit needs jax._src.core.EvalTrace, which JAX ")
+    assert f"tested with JAX 0.4.38 to {_newest_tested_jax()}" in last
+
+
+def test_missing_internal_module_fails_import_naming_it():
+    # jax.extend.core is the one module vjpkit imports that `import jax` has not.
+    run = _import_vjpkit_after("import sys, jax.extend.core\nsys.modules['jax._src.interpreters.partial_eval'] = None")
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: vjpkit needs the module jax._src.interpreters.partial_eval, which JAX ")
+    assert f"tested with JAX 0.4.38 to {_newest_tested_jax()}" in last
+
+
+def test_missing_public_interpreter_name_fails_import_naming_it():
+    run = _import_vjpkit_after("import jax.interpreters.ad as ad\ndel ad.primitive_transposes")
+    assert run.returncode != 0
+    assert "ImportError: vjpkit needs jax.interpreters.ad.primitive_transposes" in run.stderr
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in SRC.glob("*.py") if p.name != "_jax_internals.py"))
+def test_only_the_internals_module_reaches_into_jax_src_or_reads_the_jax_version(path):
+    text = (SRC / path).read_text()
+    assert not re.search(r"^\s*(from|import)\s+jax\._src", text, re.MULTILINE), path
+    assert "__version__" not in text, path
