@@ -11,12 +11,14 @@ from ._function import CacheInfo, Function, function
 from ._gradcheck import GradcheckError, gradcheck, gradgradcheck
 from ._once import once_differentiable
 from . import testing
+from . import cpp_extension
 
 __all__ = [
     "CacheInfo",
     "Function",
     "FunctionCtx",
     "GradcheckError",
+    "cpp_extension",
     "detect_anomaly",
     "function",
     "gradcheck",

@@ -1,0 +1,381 @@
+"""C++ kernels for JAX, compiled from a source string: ``load_inline``.
+
+Usage::
+
+    import jax, jax.numpy as jnp, numpy as np
+    from vjpkit import cpp_extension
+
+    source = r'''
+    namespace ffi = xla::ffi;
+
+    ffi::Error ScaleImpl(float factor, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+      for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = factor * x.typed_data()[i];
+      return ffi::Error::Success();
+    }
+    XLA_FFI_DEFINE_HANDLER_SYMBOL(Scale, ScaleImpl,
+        ffi::Ffi::Bind().Attr<float>("factor").Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+    '''
+    ext = cpp_extension.load_inline("scale", source, functions=["Scale"], vmap_method="broadcast_all")
+
+    x = jnp.arange(4.0)
+    y = ext.Scale(x, result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype), factor=np.float32(3.0))
+    jax.jit(jax.vmap(lambda r: ext.Scale(r, result_shape_dtypes=r, factor=np.float32(2.0))))(jnp.ones((3, 4)))
+
+This is PyTorch's ``torch.utils.cpp_extension.load_inline`` for XLA's FFI:
+the source is compiled once into a shared library, cached by a hash of its
+content, each handler named in ``functions`` is registered as an XLA FFI
+target for the CPU, and the returned :class:`Extension` has one callable
+per handler that runs it through ``jax.ffi.ffi_call``. The calls work under
+``jit``, ``vmap`` and inside vjpkit Functions (wrap a forward and a backward
+kernel in one Function to give the kernel a gradient).
+
+The key differences to PyTorch's ``load_inline``:
+
+- Kernels are XLA FFI handlers, not pybind11 functions: write them with
+  ``XLA_FFI_DEFINE_HANDLER_SYMBOL(Name, Impl, binding)`` from
+  ``xla/ffi/api/ffi.h`` (included for you, from the headers jaxlib ships),
+  and name them in ``functions``. A handler's arguments are buffers plus
+  attributes (keyword arguments at the call, as NumPy scalars of the
+  declared type: ``np.float32(1e-5)`` for ``Attr<float>``).
+- JAX cannot infer a kernel's output shapes: each call names them with
+  ``result_shape_dtypes`` (one ``jax.ShapeDtypeStruct`` or an array to copy
+  the shape and dtype from, or a sequence of them for several outputs).
+- Batching under ``vmap`` is declared, not discovered: ``vmap_method``
+  (per extension, or per call) says how JAX batches the call;
+  ``"sequential"`` (the default) loops over the batch and is right for any
+  kernel; ``"broadcast_all"`` passes the whole batch as a leading axis of
+  every argument in one call, right for kernels that treat leading axes as
+  independent rows (``"expand_dims"``: the same, with size-1 axes for
+  unbatched arguments).
+- FFI calls have no derivative: give them one with a vjpkit Function whose
+  forward and backward each call a kernel (``examples/ffi_kernel.py``).
+
+Tips:
+
+- The compiler is the one Python was built with (``CXX``, ``CC``,
+  ``CFLAGS`` and ``LDFLAGS`` override it, as for any setuptools build); the
+  flags are ``-std=c++17 -O2`` plus ``extra_cflags``.
+- Libraries are cached under ``$VJPKIT_EXTENSIONS_DIR``, else
+  ``$XDG_CACHE_HOME/vjpkit/cpp_extensions`` (``~/.cache/...``); delete the
+  directory to rebuild everything. ``build_directory=`` overrides it.
+- Changing the source, the flags, the compiler or JAX changes the hash:
+  a notebook can edit the source and call ``load_inline`` again.
+- Building needs setuptools (for its compiler support); running a cached
+  library does not need it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+
+__all__ = ["BuildError", "Extension", "FfiKernel", "default_build_directory", "load_inline"]
+
+_SOURCE_PREFIX = '#include "xla/ffi/api/ffi.h"\n#line 1 "<cpp_source>"\n'
+_CXX_FLAGS = ("-std=c++17", "-O2")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HANDLER_SYMBOL = re.compile(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)")
+_VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
+# What setuptools' customize_compiler reads (from Python's build configuration,
+# overridden by the environment) to choose the compiler and its flags.
+_COMPILER_VARIABLES = ("CC", "CXX", "LDSHARED", "CFLAGS", "CPPFLAGS", "LDFLAGS", "CCSHARED", "AR", "ARFLAGS")
+
+# One build at a time in this process (other processes: see _Compiler.build).
+_lock = threading.Lock()
+
+
+class BuildError(RuntimeError):
+    """The C++ source could not be built: no compiler, or the compiler failed (its output is in the message)."""
+
+
+class FfiKernel:
+    """One FFI handler of an :class:`Extension`, registered as an XLA target for the CPU.
+
+    Call it with the kernel's buffers as positional arguments and its
+    attributes as keyword arguments::
+
+        y = ext.Scale(x, result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype), factor=np.float32(3.0))
+
+    Returns one array, or a list of arrays when ``result_shape_dtypes`` is a
+    sequence.
+    """
+
+    def __init__(self, name: str, target_name: str, vmap_method: str):
+        self.name = name
+        self.target_name = target_name
+        self.vmap_method = vmap_method
+
+    def __call__(
+        self, *args: Any, result_shape_dtypes: Any, vmap_method: str | None = None, **attributes: Any
+    ) -> Any:
+        method = self.vmap_method if vmap_method is None else _checked_vmap_method(vmap_method)
+        call = _jax_ffi_api().ffi_call(self.target_name, _shape_dtypes(result_shape_dtypes), method)
+        return call(*args, **attributes)
+
+    def __repr__(self) -> str:
+        return f"FfiKernel({self.name!r}, target_name={self.target_name!r}, vmap_method={self.vmap_method!r})"
+
+
+class Extension:
+    """A compiled C++ source: one :class:`FfiKernel` attribute per name in ``functions``."""
+
+    def __init__(self, name: str, library_path: pathlib.Path, kernels: dict[str, FfiKernel]):
+        self.name = name
+        self.library_path = library_path
+        self.functions = dict(kernels)
+
+    def __getattr__(self, attribute: str) -> FfiKernel:
+        functions = self.__dict__.get("functions", {})
+        if attribute in functions:
+            return functions[attribute]
+        raise AttributeError(
+            f"extension {self.__dict__.get('name')!r} has no function {attribute!r}; "
+            f"its functions are {sorted(functions)} (add a name to load_inline's functions= to register it)"
+        )
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *self.functions})
+
+    def __repr__(self) -> str:
+        return f"Extension({self.name!r}, functions={sorted(self.functions)}, library_path='{self.library_path}')"
+
+
+def load_inline(
+    name: str,
+    cpp_source: str,
+    functions: Sequence[str],
+    *,
+    vmap_method: str = "sequential",
+    extra_cflags: Sequence[str] = (),
+    extra_ldflags: Sequence[str] = (),
+    build_directory: str | os.PathLike[str] | None = None,
+    verbose: bool = False,
+) -> Extension:
+    """Compiles ``cpp_source`` (once per content), registers ``functions`` as FFI targets, returns them.
+
+    Args:
+        name: the extension's name: a C identifier, used for the library's
+            file name and as the prefix of its XLA target names.
+        cpp_source: C++17 source defining each function with
+            ``XLA_FFI_DEFINE_HANDLER_SYMBOL``; ``xla/ffi/api/ffi.h`` is
+            included before it.
+        functions: the handler names to register and return.
+        vmap_method: how calls batch under ``vmap`` unless a call says
+            otherwise: ``"sequential"``, ``"expand_dims"`` or ``"broadcast_all"``.
+        extra_cflags, extra_ldflags: more compiler and linker arguments.
+        build_directory: where libraries are cached (see the module's tips).
+        verbose: print the compiler's commands and output.
+
+    Returns:
+        An :class:`Extension` with one :class:`FfiKernel` per function.
+
+    Raises:
+        BuildError: no C++ compiler was found, or compiling or linking
+            failed (the message holds the compiler's output).
+        ValueError: ``name`` or a function name is not a C identifier, a
+            function is not defined in the compiled library, or
+            ``vmap_method`` is unknown.
+        TypeError: ``functions`` is a string, not a list of names.
+        ImportError: a build is needed and setuptools is not installed.
+    """
+    _check_identifier("name", name)
+    if isinstance(functions, str):
+        raise TypeError(f"load_inline: functions must be a list of names, not the string {functions!r}")
+    functions = list(functions)
+    if not functions:
+        raise ValueError(
+            "load_inline: functions is empty; name the handlers (XLA_FFI_DEFINE_HANDLER_SYMBOL) to register"
+        )
+    for function in functions:
+        _check_identifier("function name", function)
+    method = _checked_vmap_method(vmap_method)
+
+    api = _jax_ffi_api()
+    compiler = _Compiler(extra_cflags, extra_ldflags, verbose)
+    source = _SOURCE_PREFIX + cpp_source
+    digest = _content_hash(name, source, compiler.signature(), api.include_dir())
+    directory = pathlib.Path(build_directory) if build_directory is not None else default_build_directory()
+    library_path = directory / f"{name}_{digest[:16]}" / f"{name}.so"
+
+    with _lock:
+        if not library_path.exists():
+            compiler.build(source, library_path, include_dir=api.include_dir())
+        elif verbose:
+            print(f"load_inline: using cached {library_path}", file=sys.stderr)
+        library = ctypes.CDLL(str(library_path))
+        kernels = {}
+        for function in functions:
+            # The hash in the name keeps an edited source's kernels apart;
+            # registering the same name again (a second load) is harmless.
+            target_name = f"{name}_{digest[:16]}.{function}"
+            symbol = _symbol(library, function, cpp_source, name)
+            api.register_ffi_target(target_name, api.pycapsule(symbol), platform="cpu")
+            kernels[function] = FfiKernel(function, target_name, method)
+    return Extension(name, library_path, kernels)
+
+
+def default_build_directory() -> pathlib.Path:
+    """``$VJPKIT_EXTENSIONS_DIR``, else ``$XDG_CACHE_HOME/vjpkit/cpp_extensions`` (``~/.cache`` by default)."""
+    if os.environ.get("VJPKIT_EXTENSIONS_DIR"):
+        return pathlib.Path(os.environ["VJPKIT_EXTENSIONS_DIR"])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(cache) / "vjpkit" / "cpp_extensions"
+
+
+# --- JAX-version lookups (supported: JAX 0.4.38 to 0.10.2); to move into _jax_internals.py -------------------
+
+
+class _JaxFfiApi(NamedTuple):
+    include_dir: Callable[[], str]
+    pycapsule: Callable[[Any], Any]
+    register_ffi_target: Callable[..., None]
+    ffi_call: Callable[[str, Any, str], Callable[..., Any]]
+
+
+@functools.cache
+def _jax_ffi_api() -> _JaxFfiApi:
+    """JAX's FFI functions, wherever this JAX version keeps them.
+
+    Why: the FFI moved from ``jax.extend.ffi`` (JAX 0.4.38) to ``jax.ffi``
+    (JAX 0.5 onwards). Both versions take ``vmap_method=`` (``vectorized=``
+    is older than the supported range), with the three methods
+    ``load_inline`` accepts.
+    """
+    try:
+        from jax import ffi
+    except ImportError:
+        from jax.extend import ffi  # type: ignore[attr-defined, no-redef]
+
+    def ffi_call(target_name: str, result_shape_dtypes: Any, vmap_method: str) -> Callable[..., Any]:
+        return ffi.ffi_call(target_name, result_shape_dtypes, vmap_method=vmap_method)
+
+    return _JaxFfiApi(ffi.include_dir, ffi.pycapsule, ffi.register_ffi_target, ffi_call)
+
+
+# --- building ------------------------------------------------------------------------------------------------
+
+
+class _Compiler:
+    """setuptools' compiler for this Python (``CXX``/``CC``/``CFLAGS``/``LDFLAGS`` apply), output captured."""
+
+    def __init__(self, extra_cflags: Sequence[str], extra_ldflags: Sequence[str], verbose: bool):
+        self.extra_cflags = [*_CXX_FLAGS, *extra_cflags]
+        self.extra_ldflags = list(extra_ldflags)
+        self.verbose = verbose
+        self._ccompiler: Any = None
+
+    def ccompiler(self) -> Any:
+        if self._ccompiler is None:
+            self._ccompiler = _new_ccompiler(self._spawn)
+        return self._ccompiler
+
+    def signature(self) -> str:
+        """Everything about the build besides the source, for the content hash (no setuptools needed)."""
+        defaults = sysconfig.get_config_vars(*_COMPILER_VARIABLES)
+        overrides = [os.environ.get(variable) for variable in _COMPILER_VARIABLES]
+        return repr((defaults, overrides, self.extra_cflags, self.extra_ldflags, sys.platform))
+
+    def build(self, source: str, library_path: pathlib.Path, *, include_dir: str) -> None:
+        cc = self.ccompiler()
+        library_path.parent.mkdir(parents=True, exist_ok=True)
+        # Build in a private directory, then rename into place: a concurrent
+        # process never sees a half-written library.
+        with tempfile.TemporaryDirectory(dir=library_path.parent, prefix=".build-") as work:
+            source_path = pathlib.Path(work) / f"{library_path.stem}.cpp"
+            source_path.write_text(source)
+            objects = cc.compile(
+                [str(source_path)], output_dir=work, include_dirs=[include_dir], extra_postargs=self.extra_cflags
+            )
+            built = pathlib.Path(work) / library_path.name
+            cc.link_shared_object(objects, str(built), extra_postargs=self.extra_ldflags, target_lang="c++")
+            os.replace(built, library_path)
+
+    def _spawn(self, command: Sequence[str], **_: Any) -> None:
+        if self.verbose:
+            print(" ".join(command), file=sys.stderr)
+        try:
+            result = subprocess.run(list(command), capture_output=True, text=True)
+        except FileNotFoundError:
+            raise BuildError(
+                f"load_inline: no C++ compiler: {command[0]!r} was not found. Install one "
+                "(g++ or clang++), or point the CXX and CC environment variables at it."
+            ) from None
+        if self.verbose and (result.stdout or result.stderr):
+            print(result.stdout + result.stderr, file=sys.stderr)
+        if result.returncode != 0:
+            raise BuildError(
+                f"load_inline: building failed (exit status {result.returncode}):\n"
+                f"$ {' '.join(command)}\n{result.stdout}{result.stderr}"
+            )
+
+
+def _new_ccompiler(spawn: Callable[..., None]) -> Any:
+    try:
+        # Importing setuptools first puts its distutils in place of the
+        # standard library's (which Python 3.12 no longer has).
+        importlib.import_module("setuptools")
+        from distutils import ccompiler
+        from distutils import sysconfig as distutils_sysconfig
+    except ImportError as error:
+        raise ImportError(
+            "vjpkit.cpp_extension.load_inline needs setuptools to find the C++ compiler and its flags: "
+            "pip install setuptools"
+        ) from error
+    cc = ccompiler.new_compiler()
+    distutils_sysconfig.customize_compiler(cc)
+    # The compiler object runs every command through one overridable method
+    # (``spawn``, or ``call`` in newer setuptools): ours captures the output for
+    # the error message instead of letting it through to stderr.
+    for hook in ("call", "spawn"):
+        if hasattr(cc, hook):
+            setattr(cc, hook, spawn)
+    return cc
+
+
+def _content_hash(*parts: str) -> str:
+    digest = hashlib.sha256()
+    for part in (*parts, jax.__version__):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _symbol(library: ctypes.CDLL, function: str, cpp_source: str, name: str) -> Any:
+    try:
+        return getattr(library, function)
+    except AttributeError:
+        defined = _HANDLER_SYMBOL.findall(cpp_source)
+        raise ValueError(
+            f"load_inline({name!r}): function {function!r} is not defined in the compiled source; "
+            f"the source defines {defined} with XLA_FFI_DEFINE_HANDLER_SYMBOL"
+        ) from None
+
+
+def _check_identifier(what: str, value: Any) -> None:
+    if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value):
+        raise ValueError(f"load_inline: {what} must be a C identifier (letters, digits, _), got {value!r}")
+
+
+def _checked_vmap_method(vmap_method: str) -> str:
+    if vmap_method not in _VMAP_METHODS:
+        raise ValueError(f"vmap_method must be one of {list(_VMAP_METHODS)}, got {vmap_method!r}")
+    return vmap_method
+
+
+def _shape_dtypes(result_shape_dtypes: Any) -> Any:
+    if isinstance(result_shape_dtypes, (list, tuple)):
+        return [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in result_shape_dtypes]
+    return jax.ShapeDtypeStruct(result_shape_dtypes.shape, result_shape_dtypes.dtype)

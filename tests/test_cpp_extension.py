@@ -1,0 +1,190 @@
+"""``vjpkit.cpp_extension.load_inline``: C++ FFI handlers compiled from a string, cached, callable from JAX.
+
+One small source is compiled once for the module (a few seconds: the FFI
+headers are large); the tests that need no new build reuse it. Expected
+values are written out or computed with NumPy.
+"""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vjpkit import cpp_extension
+
+SOURCE = r"""
+namespace ffi = xla::ffi;
+
+// y = factor * x
+ffi::Error ScaleImpl(float factor, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = factor * x.typed_data()[i];
+  return ffi::Error::Success();
+}
+
+// (x + y, x * y), elementwise
+ffi::Error SumAndProductImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y,
+                             ffi::ResultBuffer<ffi::F32> sum, ffi::ResultBuffer<ffi::F32> product) {
+  for (size_t i = 0; i < x.element_count(); ++i) {
+    sum->typed_data()[i] = x.typed_data()[i] + y.typed_data()[i];
+    product->typed_data()[i] = x.typed_data()[i] * y.typed_data()[i];
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Scale, ScaleImpl,
+    ffi::Ffi::Bind().Attr<float>("factor").Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SumAndProduct, SumAndProductImpl,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+                    .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+"""
+
+
+def load(build_directory, functions=("Scale",), source=SOURCE, **options):
+    """The test extension, cached in ``build_directory``."""
+    return cpp_extension.load_inline(
+        "kernels_under_test", source, list(functions), build_directory=build_directory, **options
+    )
+
+
+@pytest.fixture(scope="module")
+def build_directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("cpp_extensions")
+
+
+@pytest.fixture(scope="module")
+def ext(build_directory):
+    return load(build_directory, ["Scale", "SumAndProduct"])
+
+
+def like(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def test_kernel_computes_with_its_attribute(ext):
+    x = jnp.array([1.0, -2.0, 0.5], jnp.float32)
+    np.testing.assert_array_equal(ext.Scale(x, result_shape_dtypes=like(x), factor=np.float32(3.0)), [3.0, -6.0, 1.5])
+
+
+def test_kernel_with_two_outputs_returns_both(ext):
+    x, y = jnp.array([1.0, 2.0], jnp.float32), jnp.array([3.0, 4.0], jnp.float32)
+    total, product = ext.SumAndProduct(x, y, result_shape_dtypes=[like(x), like(x)])
+    np.testing.assert_array_equal(total, [4.0, 6.0])
+    np.testing.assert_array_equal(product, [3.0, 8.0])
+
+
+def test_an_array_describes_the_result_shape_and_dtype(ext):
+    x = jnp.ones((2, 3), jnp.float32)
+    np.testing.assert_array_equal(ext.Scale(x, result_shape_dtypes=x, factor=np.float32(2.0)), np.full((2, 3), 2.0))
+
+
+def test_kernel_runs_under_jit(ext):
+    scale = jax.jit(lambda x: ext.Scale(x, result_shape_dtypes=x, factor=np.float32(-1.0)))
+    np.testing.assert_array_equal(scale(jnp.arange(4.0, dtype=jnp.float32)), [0.0, -1.0, -2.0, -3.0])
+
+
+@pytest.mark.parametrize("vmap_method", ["sequential", "expand_dims", "broadcast_all"])
+def test_kernel_batches_under_vmap_with_each_method(ext, vmap_method):
+    rows = jnp.arange(6.0, dtype=jnp.float32).reshape(3, 2)
+    scaled = jax.vmap(lambda r: ext.Scale(r, result_shape_dtypes=r, vmap_method=vmap_method, factor=np.float32(2.0)))
+    np.testing.assert_array_equal(scaled(rows), 2.0 * np.arange(6.0).reshape(3, 2))
+
+
+def test_extension_vmap_method_is_the_default_for_its_calls(ext, build_directory):
+    again = load(build_directory, vmap_method="broadcast_all")
+    assert again.Scale.vmap_method == "broadcast_all"
+    assert ext.Scale.vmap_method == "sequential"
+
+
+def test_same_source_loads_the_cached_library_without_compiling(ext, build_directory, monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise AssertionError(f"the compiler ran: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    again = load(build_directory)
+    assert again.library_path == ext.library_path
+    x = jnp.ones(2, jnp.float32)
+    np.testing.assert_array_equal(again.Scale(x, result_shape_dtypes=x, factor=np.float32(5.0)), [5.0, 5.0])
+
+
+def test_changed_source_is_built_again(ext, build_directory, monkeypatch):
+    commands = []
+
+    def failing_compiler(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1, stdout="", stderr="stand-in compiler\n")
+
+    monkeypatch.setattr(subprocess, "run", failing_compiler)
+    with pytest.raises(cpp_extension.BuildError, match="stand-in compiler"):
+        load(build_directory, source=SOURCE + "// edited\n")
+    assert len(commands) == 1
+    assert not any(build_directory.glob("*/.build-*")), "the failed build's working directory was left behind"
+
+
+def test_libraries_are_cached_under_VJPKIT_EXTENSIONS_DIR(monkeypatch, tmp_path):
+    monkeypatch.setenv("VJPKIT_EXTENSIONS_DIR", str(tmp_path))
+    assert cpp_extension.default_build_directory() == tmp_path
+
+
+def test_libraries_are_cached_under_XDG_CACHE_HOME_otherwise(monkeypatch, tmp_path):
+    monkeypatch.delenv("VJPKIT_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cpp_extension.default_build_directory() == tmp_path / "vjpkit" / "cpp_extensions"
+
+
+def test_missing_compiler_raises_build_error_naming_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(cpp_extension.BuildError, match=r"no C\+\+ compiler: '/nonexistent/c(c|\+\+)' was not found"):
+        cpp_extension.load_inline("no_compiler", SOURCE, ["Scale"], build_directory=tmp_path)
+
+
+def test_compile_error_raises_build_error_with_the_compilers_output(tmp_path):
+    broken = "\nint Broken() { return undefined_name; }\n"
+    with pytest.raises(cpp_extension.BuildError, match="(?s)building failed.*<cpp_source>:2.*undefined_name") as info:
+        cpp_extension.load_inline("broken", broken, ["Broken"], build_directory=tmp_path)
+    assert "-std=c++17" in str(info.value), "the failing command is part of the message"
+
+
+def test_unknown_function_raises_value_error_listing_the_defined_handlers(ext, build_directory):
+    with pytest.raises(ValueError, match=r"function 'Scal' is not defined.*\['Scale', 'SumAndProduct'\]"):
+        load(build_directory, ["Scal"])
+
+
+def test_function_not_loaded_raises_attribute_error_naming_the_loaded_ones(build_directory):
+    ext = load(build_directory)
+    with pytest.raises(AttributeError, match=r"has no function 'SumAndProduct'; its functions are \['Scale'\]"):
+        ext.SumAndProduct  # noqa: B018
+
+
+def test_functions_given_as_one_string_raises_type_error(build_directory):
+    with pytest.raises(TypeError, match="functions must be a list of names, not the string 'Scale'"):
+        cpp_extension.load_inline("kernels_under_test", SOURCE, "Scale", build_directory=build_directory)
+
+
+def test_no_functions_raises_value_error(build_directory):
+    with pytest.raises(ValueError, match="functions is empty"):
+        load(build_directory, [])
+
+
+@pytest.mark.parametrize("name", ["two words", "3d", "a-b", ""])
+def test_name_that_is_not_an_identifier_raises_value_error(name, build_directory):
+    with pytest.raises(ValueError, match="name must be a C identifier"):
+        cpp_extension.load_inline(name, SOURCE, ["Scale"], build_directory=build_directory)
+
+
+def test_unknown_vmap_method_raises_value_error(ext, build_directory):
+    methods = r"\['sequential', 'expand_dims', 'broadcast_all'\]"
+    with pytest.raises(ValueError, match=f"vmap_method must be one of {methods}, got 'loop'"):
+        load(build_directory, vmap_method="loop")
+    x = jnp.ones(2, jnp.float32)
+    with pytest.raises(ValueError, match="vmap_method must be one of"):
+        ext.Scale(x, result_shape_dtypes=x, vmap_method="vectorized", factor=np.float32(1.0))
+
+
+def test_building_without_setuptools_raises_import_error_saying_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "setuptools", None)
+    with pytest.raises(ImportError, match="needs setuptools .*pip install setuptools"):
+        cpp_extension.load_inline("no_setuptools", SOURCE, ["Scale"], build_directory=tmp_path)
