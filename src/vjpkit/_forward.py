@@ -110,10 +110,8 @@ class _Rule:
                 [tangents[d] for d in self.linear],
                 apply=self.apply_jvp,
                 transpose=backward_rule if spec.backward is not None else None,
-                out_avals=[
-                    jax.core.ShapedArray(packed.arrays[j].shape, packed.arrays[j].dtype)
-                    for j in self.outputs
-                ],
+                # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
+                out_avals=[_jax_internals.tangent_aval(packed.arrays[j]) for j in self.outputs],
                 name=self.name,
             )
             for j, t in zip(self.outputs, computed):
