@@ -139,9 +139,10 @@ mlir.register_lowering(_linear_call_p, _linear_call_lowering)
 
 def _transpose_by_jax(apply: Callable, name: str, in_avals: Sequence[Any]) -> Callable:
     def transposed(res: tuple, cts: tuple) -> list:
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
         try:
-            linear_transpose = jax.linear_transpose(lambda *lin: list(apply(res, lin)), *structs)
+            # The inputs' own types: inside shard_map, whether a tangent varies
+            # across devices decides where the transpose sums over them.
+            linear_transpose = jax.linear_transpose(lambda *lin: list(apply(res, lin)), *in_avals)
             return list(linear_transpose(list(cts)))
         except Exception as e:  # JAX raises several types for non-linear code
             raise TypeError(
