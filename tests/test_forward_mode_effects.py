@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import vjpkit
+from vjpkit._jax_internals import JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS, LINEARIZE_KEEPS_ORDERED_EFFECTS
 
 X = jnp.array([0.3, -1.2, 2.0])
 T = jnp.array([1.0, 0.5, -2.0])
@@ -156,6 +157,43 @@ def test_ordered_debug_print_in_jvp_and_backward_prints_in_program_order(capsys)
     chex.assert_trees_all_close(gradient, jnp.cos(x))
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["start", "jvp sees [3. 4.]", "start", "backward sees [1. 1.]"]
+
+
+# Reverse mode records a call to jvp without tracing it (grad never runs
+# jvp), so without its effects. Where JAX reuses that record to run the jvp,
+# the call runs in order from JAX 0.10 (jax.linearize) and 0.7 (jax.jvp after
+# jax.grad); older JAX raises vjpkit's error instead of JAX's KeyError.
+OLD_JAX_ERROR = (
+    r"RecordingSin\.jvp uses ordered effects .*reverse mode recorded.* Pass ordered=False in RecordingSin\.jvp"
+)
+
+
+def test_ordered_callback_in_jvp_runs_under_linearize_or_raises_naming_the_class():
+    events = []
+    cls, record = recording_sin(events, ordered=True)
+    _, f_jvp = jax.linearize(cls.apply, X)
+    if not LINEARIZE_KEEPS_ORDERED_EFFECTS:
+        with pytest.raises(TypeError, match=OLD_JAX_ERROR):
+            jax.jit(f_jvp)(T)
+        return
+    got = jax.jit(f_jvp)(T)
+    jax.effects_barrier()
+    chex.assert_trees_all_close(got, jax.linearize(jnp.sin, X)[1](T), rtol=1e-6)
+    assert [label for label, _ in events] == ["jvp"]
+
+
+def test_ordered_callback_in_jvp_runs_in_jvp_after_grad_or_raises_naming_the_class():
+    events = []
+    cls, record = recording_sin(events, ordered=True)
+    jax.grad(lambda x: cls.apply(x).sum())(X)
+    if not JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS:
+        with pytest.raises(TypeError, match=OLD_JAX_ERROR):
+            jax.jvp(cls.apply, (X,), (T,))
+        return
+    got = jax.jvp(cls.apply, (X,), (T,))
+    jax.effects_barrier()
+    chex.assert_trees_all_close(got, jax.jvp(jnp.sin, (X,), (T,)), rtol=1e-6)
+    assert [label for label, _ in events] == ["backward", "jvp"]
 
 
 # ---------------------------------------------------------------------------

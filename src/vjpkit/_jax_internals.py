@@ -326,6 +326,8 @@ _no_axis_name = _require(_core, "no_axis_name", "jax._src.core")
 _unmapped_aval = _require(_core, "unmapped_aval", "jax._src.core")
 __all__ += [
     "linearizing_for_reverse_mode",
+    "LINEARIZE_KEEPS_ORDERED_EFFECTS",
+    "JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS",
     "ordered_effects_without_tokens",
     "tangent_aval",
     "aval_varying_axes",
@@ -340,14 +342,13 @@ def linearizing_for_reverse_mode() -> bool:
     Why: vjpkit's ``linear_call`` learns the effects of its rule by tracing
     it, but must not trace a Function's ``jvp`` when reverse mode only
     records the call to transpose it into ``backward`` (grad never runs jvp).
-    With direct linearization (the default from JAX 0.7) reverse mode runs a
-    ``custom_jvp`` rule inside ``LinearizeTrace.process_custom_jvp_call``
-    (through ``linearize_from_jvp``). Before (JAX 0.4.38 to 0.6, or with the
-    flag off) it runs it under a ``JVPTrace`` over partial evaluation
-    (``JaxprTrace``): directly, or around the ``jit``, ``checkpoint`` or
-    ``scan`` whose JVP traces the rule. ``jax.linearize`` records the same
-    way; its linear function later binds the equations outside these
-    frames, and they are traced then.
+    With direct linearization (the default from JAX 0.7) a ``LinearizeTrace``
+    method is among the callers; from JAX 0.10 it says whether it linearizes
+    for ``vjp`` or for ``jax.linearize``, whose linear function runs the
+    rule (JAX 0.7 to 0.9 cannot tell: both count as reverse mode). Before
+    (JAX 0.4.38 to 0.6, or with the flag off) reverse mode runs the rule
+    under a ``JVPTrace`` over partial evaluation (``JaxprTrace``): directly,
+    or around the ``jit``, ``checkpoint`` or ``scan`` whose JVP traces it.
     """
     direct = _direct_linearize.value
     if not direct and isinstance(current_trace.value, _JaxprTrace):
@@ -355,8 +356,8 @@ def linearizing_for_reverse_mode() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if direct and (code is _LINEARIZE_FROM_JVP_CODE or code is _LINEARIZE_CUSTOM_JVP_CODE):
-            return True
+        if direct and (code is _LINEARIZE_CUSTOM_JVP_CODE or code is _LINEARIZE_PRIMITIVE_CODE):
+            return getattr(frame.f_locals.get("self"), "is_vjp", True)
         if not direct and (code is _JVP_CUSTOM_JVP_CODE or code is _JVP_PRIMITIVE_CODE):
             if isinstance(getattr(frame.f_locals.get("self"), "parent_trace", None), _JaxprTrace):
                 return True
@@ -364,10 +365,21 @@ def linearizing_for_reverse_mode() -> bool:
     return False
 
 
-_JVP_CUSTOM_JVP_CODE = _require(_JVPTrace, "process_custom_jvp_call", "jax.interpreters.ad.JVPTrace").__code__
 _LinearizeTrace = _require(_require_module("jax._src.interpreters.ad"), "LinearizeTrace", "jax._src.interpreters.ad")
+# What reverse mode's record of a call, made without tracing its jvp (so
+# without its effects), is shared with: ``jax.linearize`` where
+# ``LinearizeTrace`` cannot say it linearizes for vjp (before JAX 0.10), and
+# ``jax.jvp`` of a jitted function once ``jax.grad`` differentiated it, where
+# both build the jit's JVP jaxpr once (before JAX 0.7, without direct
+# linearization).
+LINEARIZE_KEEPS_ORDERED_EFFECTS = "is_vjp" in _LinearizeTrace.__init__.__code__.co_varnames
+JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS = bool(_direct_linearize.value)
+_JVP_CUSTOM_JVP_CODE = _require(_JVPTrace, "process_custom_jvp_call", "jax.interpreters.ad.JVPTrace").__code__
 _LINEARIZE_CUSTOM_JVP_CODE = _require(
     _LinearizeTrace, "process_custom_jvp_call", "jax._src.interpreters.ad.LinearizeTrace"
+).__code__
+_LINEARIZE_PRIMITIVE_CODE = _require(
+    _LinearizeTrace, "process_primitive", "jax._src.interpreters.ad.LinearizeTrace"
 ).__code__
 
 

@@ -26,7 +26,21 @@ from jax.extend.core import jaxpr_as_fun
 from . import _jax_internals
 from ._jax_internals import Primitive, ad, batching, mlir
 
-_linear_call_p = Primitive("vjpkit_linear_call")
+
+class _LinearCallPrimitive(Primitive):
+    """Each bind notes whether reverse mode is recording it to transpose it.
+
+    Why: JAX caches abstract evaluation by parameters, and replays recorded
+    equations with theirs; the one recorded for ``jax.grad`` (no effects:
+    its jvp is never traced) must not stand for the one ``jax.jvp`` runs.
+    """
+
+    def bind(self, *args: Any, **params: Any) -> Any:
+        params["recorded"] = _jax_internals.linearizing_for_reverse_mode()
+        return super().bind(*args, **params)
+
+
+_linear_call_p = _LinearCallPrimitive("vjpkit_linear_call")
 _linear_call_p.multiple_results = True
 
 
@@ -107,27 +121,30 @@ class _TracedRule:
         return f"<traced {self.name}>"
 
 
-def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced):
+def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced, recorded):
     res, lin = _split(args, num_res)
     return list(apply(res, lin))
 
 
-def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, name, traced):
-    if _jax_internals.linearizing_for_reverse_mode():
+def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, name, traced, recorded):
+    if recorded:
         # Recorded to be transposed, never run: grad must not trace the jvp.
         return list(out_avals), set()
     return list(out_avals), traced.jaxpr(in_avals).effects
 
 
-def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name, traced):
+def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
     jaxpr = traced.jaxpr(ctx.avals_in)
     missing = _jax_internals.ordered_effects_without_tokens(ctx, jaxpr.effects)
     if missing:
-        # Only an equation recorded for reverse mode that is run after all.
+        # Only a call that reverse mode recorded, run after all (older JAX).
         raise TypeError(
-            f"{name}: a rule with ordered effects ({', '.join(map(str, missing))}) runs "
-            "where JAX recorded it for reverse mode without them; JAX orders effects "
-            "only in what it traced. Use jax.jvp rather than jax.linearize, or ordered=False."
+            f"{name}.jvp uses ordered effects ({', '.join(map(str, missing))}) in a call that "
+            "reverse mode recorded without them (reverse mode never runs jvp, so it did not "
+            f"trace it), and JAX {jax.__version__} runs that record here: before JAX 0.10 "
+            "jax.linearize shares it, and before JAX 0.7 so does jax.jvp of a function that "
+            f"jax.grad already differentiated. Pass ordered=False in {name}.jvp, or use "
+            "JAX 0.10 or later."
         )
     return mlir.lower_fun(jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
 
@@ -156,7 +173,7 @@ def _transpose_by_jax(apply: Callable, name: str, in_avals: Sequence[Any]) -> Ca
     return transposed
 
 
-def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name, traced):
+def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
     res, lin = _split(args, num_res)
     if any(ad.is_undefined_primal(r) for r in res):
         raise TypeError(f"{name}: internal error: a residual of linear_call is linear.")
@@ -180,7 +197,7 @@ def _with_zeros_as_none(rule: Callable, zero: tuple) -> Callable:
     return rule_with_zeros
 
 
-def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name, traced):
+def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name, traced, recorded):
     params = dict(num_res=num_res, apply=apply, transpose=transpose, out_avals=out_avals, name=name, traced=traced)
     res, lin = _split(primals, num_res)
     d_res, d_lin = _split(tangents, num_res)
@@ -212,7 +229,7 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
     return list(out), list(tangent_out)
 
 
-def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name, traced):
+def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name, traced, recorded):
     axis_names = _jax_internals.vmap_axis_names(axis_data)
     if all(d is None for d in dims) and axis_names["axis_name"] is None:
         out = linear_call(
