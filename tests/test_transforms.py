@@ -9,7 +9,6 @@ saved tanh(x) is treated as a constant, so the second derivative is zero).
 import chex
 import jax
 import jax.numpy as jnp
-import pytest
 from jax import export  # a submodule JAX before 0.5 does not import by itself
 
 import vjpkit

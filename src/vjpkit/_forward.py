@@ -74,7 +74,9 @@ class _Rule:
 
         tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
         if linear and own.outputs:
-            computed = own.tangents(residuals.arrays, [tangents[d] for d in linear])
+            # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
+            out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
+            computed = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types)
             for j, t in zip(own.outputs, computed, strict=True):
                 tangents_out[j] = t
         return packed, Packed(tuple(tangents_out), packed.layout)

@@ -472,3 +472,106 @@ def ffi_api() -> FfiApi:
 # The running JAX's release, for cache keys only (a library compiled against
 # one JAX's FFI headers is rebuilt for another); vjpkit compares no versions.
 JAX_RELEASE: str = jax.__version__
+
+
+# ---------------------------------------------------------------------------
+# For vjpkit's linear_call primitive (_linear_call.py): its effects, its
+# output types inside shard_map, and the vmap axis it is batched along.
+
+_effects = _require_module("jax._src.effects")
+_ordered_effects = _require(_effects, "ordered_effects", "jax._src.effects")
+_no_axis_name = _require(_core, "no_axis_name", "jax._src.core")
+_unmapped_aval = _require(_core, "unmapped_aval", "jax._src.core")
+
+
+def linearizing_for_reverse_mode() -> bool:
+    """Whether JAX is recording linear equations to transpose them (reverse mode).
+
+    Why: vjpkit's ``linear_call`` learns the effects of its rule by tracing
+    it, but must not trace a Function's ``jvp`` when reverse mode only
+    records the call to transpose it into ``backward`` (grad never runs jvp).
+    With direct linearization (the default from JAX 0.7) a ``LinearizeTrace``
+    method is among the callers; from JAX 0.10 it says whether it linearizes
+    for ``vjp`` or for ``jax.linearize``, whose linear function runs the
+    rule (JAX 0.7 to 0.9 cannot tell: both count as reverse mode). Before
+    (JAX 0.4.38 to 0.6, or with the flag off) reverse mode runs the rule
+    under a ``JVPTrace`` over partial evaluation (``JaxprTrace``): directly,
+    or around the ``jit``, ``checkpoint`` or ``scan`` whose JVP traces it.
+    """
+    direct = _direct_linearize.value
+    if not direct and isinstance(current_trace.value, _JaxprTrace):
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if direct and (code is _LINEARIZE_CUSTOM_JVP_CODE or code is _LINEARIZE_PRIMITIVE_CODE):
+            return getattr(frame.f_locals.get("self"), "is_vjp", True)
+        if not direct and (code is _JVP_CUSTOM_JVP_CODE or code is _JVP_PRIMITIVE_CODE):
+            if isinstance(getattr(frame.f_locals.get("self"), "parent_trace", None), _JaxprTrace):
+                return True
+        frame = frame.f_back
+    return False
+
+
+_LinearizeTrace = _require(_require_module("jax._src.interpreters.ad"), "LinearizeTrace", "jax._src.interpreters.ad")
+# What reverse mode's record of a call, made without tracing its jvp (so
+# without its effects), is shared with: ``jax.linearize`` where
+# ``LinearizeTrace`` cannot say it linearizes for vjp (before JAX 0.10), and
+# ``jax.jvp`` of a jitted function once ``jax.grad`` differentiated it, where
+# both build the jit's JVP jaxpr once (before JAX 0.7, without direct
+# linearization).
+LINEARIZE_KEEPS_ORDERED_EFFECTS = "is_vjp" in _LinearizeTrace.__init__.__code__.co_varnames
+JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS = bool(_direct_linearize.value)
+_JVP_CUSTOM_JVP_CODE = _require(_JVPTrace, "process_custom_jvp_call", "jax.interpreters.ad.JVPTrace").__code__
+_LINEARIZE_CUSTOM_JVP_CODE = _require(
+    _LinearizeTrace, "process_custom_jvp_call", "jax._src.interpreters.ad.LinearizeTrace"
+).__code__
+_LINEARIZE_PRIMITIVE_CODE = _require(
+    _LinearizeTrace, "process_primitive", "jax._src.interpreters.ad.LinearizeTrace"
+).__code__
+
+
+def ordered_effects_without_tokens(ctx: Any, effects: Any) -> list:
+    """The ordered members of ``effects`` that lowering context ``ctx`` has no token for.
+
+    Every supported JAX threads one token per ordered effect that an
+    equation declared (``ctx.tokens_in``), and no others.
+    """
+    return [e for e in effects if _ordered_effects.contains(e) and e not in ctx.tokens_in.effects()]
+
+
+def tangent_aval(x: Any) -> Any:
+    """The type of a tangent for primal ``x``: its shape, dtype and ``shard_map`` varying axes."""
+    return _aval(x).strip_weak_type().to_tangent_aval()
+
+
+def aval_varying_axes(aval: Any) -> frozenset:
+    """``varying_axes`` of a type rather than of a value (the same versions, the same fields)."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vmap_axis_names(axis_data: Any) -> dict:
+    """``jax.vmap`` keyword arguments naming the axis that ``axis_data`` describes.
+
+    Why: a rule batched by re-running it under ``jax.vmap`` must keep the
+    axis name, so that collectives over it (``lax.pmean(x, "batch")``) work.
+    Every supported JAX gives a batching rule ``AxisData`` with ``name``
+    (``core.no_axis_name`` when the vmap has none) and ``spmd_name``.
+    """
+    name = axis_data.name
+    return dict(axis_name=None if name is _no_axis_name else name, spmd_axis_name=axis_data.spmd_name)
+
+
+def batched_aval(aval: Any, size: int, axis_data: Any) -> Any:
+    """``aval`` with a leading batch axis of ``size`` (keeping its sharding and varying axes)."""
+    if _UNMAPPED_AVAL_TAKES_AXIS_NAME:
+        return _unmapped_aval(size, axis_data.name, 0, aval)
+    return _unmapped_aval(size, 0, aval, getattr(axis_data, "explicit_mesh_axis", None))
+
+
+# ``core.unmapped_aval`` is (size, axis_name, axis, aval) in JAX 0.4.38 and
+# (size, axis, aval, explicit_mesh_axis) from JAX 0.5.
+_UNMAPPED_AVAL_TAKES_AXIS_NAME = "axis_name" in _unmapped_aval.__code__.co_varnames[:2]

@@ -10,6 +10,9 @@ transpose of the transpose is the jvp again). Unlike JAX's own
 ``custom_derivatives.linear_call`` it batches (both rules, lazily, under
 ``jax.vmap``) and its JVP also differentiates through the residuals, so
 ``jax.hessian``, ``jacfwd(jacrev)`` and ``jacrev(jacfwd)`` are right.
+It also declares the effects of the rule it runs (``jax.debug.print``,
+ordered or not), keeps ``shard_map``'s varying types, and batches under the
+vmap's axis name, so that collectives over it work inside the rules.
 """
 
 from __future__ import annotations
@@ -18,10 +21,26 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
 
-from ._jax_internals import Primitive, ShapedArray, ad, batching, mlir
+from . import _jax_internals
+from ._jax_internals import Primitive, ad, batching, mlir
 
-_linear_call_p = Primitive("vjpkit_linear_call")
+
+class _LinearCallPrimitive(Primitive):
+    """Each bind notes whether reverse mode is recording it to transpose it.
+
+    Why: JAX caches abstract evaluation by parameters, and replays recorded
+    equations with theirs; the one recorded for ``jax.grad`` (no effects:
+    its jvp is never traced) must not stand for the one ``jax.jvp`` runs.
+    """
+
+    def bind(self, *args: Any, **params: Any) -> Any:
+        params["recorded"] = _jax_internals.linearizing_for_reverse_mode()
+        return super().bind(*args, **params)
+
+
+_linear_call_p = _LinearCallPrimitive("vjpkit_linear_call")
 _linear_call_p.multiple_results = True
 
 
@@ -42,14 +61,16 @@ def linear_call(
     ``None`` for cotangents that JAX knows are zero.
     ``out_avals`` are ``apply``'s output types (no tracing to find them).
     """
+    num_res, out_avals = len(residuals), tuple(out_avals)
     return _linear_call_p.bind(
         *residuals,
         *linear_inputs,
-        num_res=len(residuals),
+        num_res=num_res,
         apply=apply,
         transpose=transpose,
-        out_avals=tuple(out_avals),
+        out_avals=out_avals,
         name=name,
+        traced=_TracedRule(apply, num_res, out_avals),
     )
 
 
@@ -57,21 +78,88 @@ def _split(args: Sequence[Any], num_res: int) -> tuple[tuple, tuple]:
     return tuple(args[:num_res]), tuple(args[num_res:])
 
 
-def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name):
+def _flat_rule(apply: Callable, num_res: int, out_avals: Sequence[Any]) -> Callable:
+    """``apply`` on flat arguments, its outputs typed as ``out_avals`` inside ``shard_map``.
+
+    Why: there a tangent or cotangent must vary across devices wherever its
+    primal does; a rule's ``jnp.zeros``, or a value computed from
+    replicated residuals only, does not (which changes no value).
+    """
+
+    def rule(*args: Any) -> list:
+        res, lin = _split(args, num_res)
+        outs = list(apply(res, lin))
+        for k, (out, aval) in enumerate(zip(outs, out_avals, strict=True)):
+            missing = _jax_internals.aval_varying_axes(aval) - _jax_internals.varying_axes(out)
+            if missing:
+                outs[k] = _jax_internals.cast_to_varying(out, tuple(sorted(missing, key=str)))
+        return outs
+
+    return rule
+
+
+class _TracedRule:
+    """A rule traced to a jaxpr (once per input types): its effects and its lowering.
+
+    Why: a primitive declares the effects of what it runs when it is bound,
+    so that JAX threads tokens through ordered ones (``ordered=True`` debug
+    prints and callbacks) and never removes a call that has effects.
+    """
+
+    def __init__(self, apply: Callable, num_res: int, out_avals: tuple):
+        self.rule = _flat_rule(apply, num_res, out_avals)
+        self.name = getattr(apply, "__qualname__", "rule")
+        self._jaxprs: dict = {}
+
+    def jaxpr(self, in_avals: Sequence[Any]) -> Any:
+        key = tuple(in_avals)
+        if key not in self._jaxprs:
+            self._jaxprs[key] = jax.make_jaxpr(self.rule)(*key)
+        return self._jaxprs[key]
+
+    def __repr__(self) -> str:
+        return f"<traced {self.name}>"
+
+
+def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced, recorded):
     res, lin = _split(args, num_res)
     return list(apply(res, lin))
 
 
+def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, name, traced, recorded):
+    if recorded:
+        # Recorded to be transposed, never run: grad must not trace the jvp.
+        return list(out_avals), set()
+    return list(out_avals), traced.jaxpr(in_avals).effects
+
+
+def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
+    jaxpr = traced.jaxpr(ctx.avals_in)
+    missing = _jax_internals.ordered_effects_without_tokens(ctx, jaxpr.effects)
+    if missing:
+        # Only a call that reverse mode recorded, run after all (older JAX).
+        raise TypeError(
+            f"{name}.jvp uses ordered effects ({', '.join(map(str, missing))}) in a call that "
+            "reverse mode recorded without them (reverse mode never runs jvp, so it did not "
+            f"trace it), and JAX {_jax_internals.JAX_RELEASE} runs that record here: before JAX 0.10 "
+            "jax.linearize shares it, and before JAX 0.7 so does jax.jvp of a function that "
+            f"jax.grad already differentiated. Pass ordered=False in {name}.jvp, or use "
+            "JAX 0.10 or later."
+        )
+    return mlir.lower_fun(jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
+
+
 _linear_call_p.def_impl(_linear_call_impl)
-_linear_call_p.def_abstract_eval(lambda *args, out_avals, **_: list(out_avals))
-mlir.register_lowering(_linear_call_p, mlir.lower_fun(_linear_call_impl, multiple_results=True))
+_linear_call_p.def_effectful_abstract_eval(_linear_call_abstract_eval)
+mlir.register_lowering(_linear_call_p, _linear_call_lowering)
 
 
 def _transpose_by_jax(apply: Callable, name: str, in_avals: Sequence[Any]) -> Callable:
     def transposed(res: tuple, cts: tuple) -> list:
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
         try:
-            linear_transpose = jax.linear_transpose(lambda *lin: list(apply(res, lin)), *structs)
+            # The inputs' own types: inside shard_map, whether a tangent varies
+            # across devices decides where the transpose sums over them.
+            linear_transpose = jax.linear_transpose(lambda *lin: list(apply(res, lin)), *in_avals)
             return list(linear_transpose(list(cts)))
         except Exception as e:  # JAX raises several types for non-linear code
             raise TypeError(
@@ -101,7 +189,7 @@ def _transpose_failure(e: Exception) -> str:
     return text
 
 
-def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name):
+def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
     res, lin = _split(args, num_res)
     if any(ad.is_undefined_primal(r) for r in res):
         raise TypeError(f"{name}: internal error: a residual of linear_call is linear.")
@@ -125,13 +213,14 @@ def _with_zeros_as_none(rule: Callable, zero: tuple) -> Callable:
     return rule_with_zeros
 
 
-def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name):
-    params = dict(num_res=num_res, apply=apply, transpose=transpose, out_avals=out_avals, name=name)
+def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name, traced, recorded):
+    params = dict(num_res=num_res, apply=apply, transpose=transpose, out_avals=out_avals, name=name, traced=traced)
     res, lin = _split(primals, num_res)
     d_res, d_lin = _split(tangents, num_res)
     if all(type(t) is ad.Zero for t in d_res):
-        # Only the linear inputs move: the derivative is the call itself, same rules.
-        out = _linear_call_p.bind(*primals, **params)
+        # Only the linear inputs move: the derivative is the call itself, same
+        # rules. The value is computed inline: it is never transposed.
+        out = _flat_rule(apply, num_res, out_avals)(*primals)
         if all(type(t) is ad.Zero for t in d_lin):
             return out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
         return out, _linear_call_p.bind(*res, *map(ad.instantiate_zeros, d_lin), **params)
@@ -142,12 +231,13 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
     # The linearization of JAX code is transposable: reverse-over-forward works.
     moving = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
 
+    rule = _flat_rule(apply, num_res, out_avals)
+
     def along_moving(*values: Any) -> list:
         full = list(primals)
         for i, value in zip(moving, values, strict=True):
             full[i] = value
-        res_, lin_ = _split(full, num_res)
-        return list(apply(res_, lin_))
+        return rule(*full)
 
     out, tangent_out = jax.jvp(
         along_moving, [primals[i] for i in moving], [tangents[i] for i in moving]
@@ -155,8 +245,9 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
     return list(out), list(tangent_out)
 
 
-def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name):
-    if all(d is None for d in dims):
+def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name, traced, recorded):
+    axis_names = _jax_internals.vmap_axis_names(axis_data)
+    if all(d is None for d in dims) and axis_names["axis_name"] is None:
         out = linear_call(
             args[:num_res], args[num_res:], apply=apply, transpose=transpose, out_avals=out_avals, name=name
         )
@@ -173,14 +264,14 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
 
     def vmapped(rule: Callable) -> Callable:
         def batched_rule(r: tuple, xs: tuple) -> list:
-            return jax.vmap(lambda r_, xs_: list(rule(r_, xs_)), in_axes=(res_axes, 0))(r, xs)
+            return jax.vmap(
+                lambda r_, xs_: list(rule(r_, xs_)), in_axes=(res_axes, 0), axis_size=size, **axis_names
+            )(r, xs)
 
-        batched_rule.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)  # type: ignore[attr-defined]
+        batched_rule.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)
         return batched_rule
 
-    batched_out_avals = tuple(
-        ShapedArray((size, *a.shape), a.dtype, weak_type=a.weak_type) for a in out_avals
-    )
+    batched_out_avals = tuple(_jax_internals.batched_aval(a, size, axis_data) for a in out_avals)
     out = linear_call(
         res,
         lin,

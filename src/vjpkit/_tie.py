@@ -57,8 +57,8 @@ class OwnDerivative:
         self.linear = linear
         self.outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
 
-    def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any]) -> list:
-        """One tangent per differentiable output, as a ``linear_call``.
+    def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any]) -> list:
+        """One tangent per differentiable output (of types ``out_types``), as a ``linear_call``.
 
         Evaluating it runs ``jvp`` (or, without one, ``backward`` transposed
         by JAX); transposing it runs ``backward`` (or, without one, ``jvp``
@@ -79,7 +79,7 @@ class OwnDerivative:
             list(linear_tangents),
             apply=self.apply_jvp if spec.jvp is not None else self.apply_transposed_backward,
             transpose=backward_rule if spec.backward is not None else None,
-            out_avals=[jax.core.ShapedArray(*self.meta.out_avals[j]) for j in self.outputs],
+            out_avals=out_types,
             name=self.name,
         )
 
@@ -289,7 +289,8 @@ class _Tie:
             meta, res = again.meta, list(again.arrays)
         in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
         own = OwnDerivative(program, meta, self.out_layout, in_avals, moving)
-        return outputs, own.tangents(res, [tangents[0][d] for d in moving])
+        out_types = [_jax_internals.tangent_aval(y) for y in outputs]
+        return outputs, own.tangents(res, [tangents[0][d] for d in moving], out_types)
 
 
 def _identity_on_outputs(inputs: tuple, residuals: tuple, outputs: list) -> list:

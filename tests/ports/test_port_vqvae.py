@@ -11,7 +11,6 @@ in forward; ``needs_input_grad``.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 from port_checks import assert_jit_grad_matches_torch, assert_vmap_matches_loop
 

@@ -1,0 +1,53 @@
+"""Functions with ``jvp`` inside ``jax.shard_map`` match autodiff of the same math.
+
+shard_map types each array by the mesh axes it varies along (``check_vma``,
+on by default); a tangent or cotangent must have its primal's type. The
+device count is fixed when JAX starts and this pytest process has one CPU
+device, so `sharded_forward_mode_script.py` runs once in a subprocess with
+4 host devices; each test below checks one of its cases.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+SCRIPT = pathlib.Path(__file__).with_name("sharded_forward_mode_script.py")
+
+TRANSFORMS = [
+    "jvp_of_shard_map",
+    "jit_jvp_of_shard_map",
+    "jvp_inside_shard_map",
+    "grad_of_shard_map",  # the replicated parameter's gradient is summed over devices
+    "jit_grad_of_shard_map",
+    "grad_inside_shard_map",
+    "jacfwd_of_shard_map",
+]
+CASES = [f"{cls}:{t}" for cls in ("ScaledSin", "ScaledSinJvpOnly") for t in TRANSFORMS]
+
+pytestmark = pytest.mark.skipif(
+    not (hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")),
+    reason="this JAX lacks shard_map's varying types (check_vma, from JAX 0.6.1)",
+)
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"sharded_forward_mode_script.py failed:\n{run.stdout}\n{run.stderr}"
+    return json.loads(run.stdout)
+
+
+def test_script_runs_every_case(results):
+    assert sorted(results) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_function_with_jvp_in_shard_map_matches_autodiff(case, results):
+    error = results[case]
+    assert error is None, f"{case}:\n{error}"
