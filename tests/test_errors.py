@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import vjpkit
+from vjpkit import _jax_internals
 
 X = jnp.array([0.5, -1.0, 2.0])
 W = jnp.array([1.5, 2.0, -0.5])
@@ -301,6 +302,10 @@ def test_jvp_of_a_checkpointed_function_without_jvp_raises():
         jax.jvp(jax.checkpoint(f), (X,), (jnp.ones(3),))
 
 
+@pytest.mark.skipif(
+    not _jax_internals.LINEARIZE_IS_TOLD_FROM_VJP,
+    reason="this JAX lacks LinearizeTrace.is_vjp (jax.linearize is told from jax.vjp from JAX 0.10 on)",
+)
 def test_linearize_of_a_function_without_jvp_raises():
     f = _reverse_only().apply
     with pytest.raises(TypeError, match=NO_JVP):
@@ -308,6 +313,10 @@ def test_linearize_of_a_function_without_jvp_raises():
         f_jvp(jnp.ones(3))
 
 
+@pytest.mark.skipif(
+    not _jax_internals.LINEARIZE_IS_TOLD_FROM_VJP,
+    reason="this JAX lacks LinearizeTrace.is_vjp (jax.linearize is told from jax.vjp from JAX 0.10 on)",
+)
 def test_linearize_after_grad_of_the_same_function_raises_and_grad_still_works():
     f = _reverse_only().apply
     expected = jax.grad(lambda x: f(x).sum())(X)

@@ -10,6 +10,7 @@ docs assume. One test per block, named by its section heading.
 import pathlib
 import re
 
+import jax
 import pytest
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "porting.md"
@@ -60,4 +61,7 @@ def test_the_page_has_both_kinds_of_block():
 
 @pytest.mark.parametrize("ident", [ident for ident, _, _ in BLOCKS])
 def test_block_runs(ident, outcomes):
+    source = next(code for i, _, code in BLOCKS if i == ident)
+    if "jax.shard_map" in source and not hasattr(jax, "shard_map"):
+        pytest.skip("this JAX lacks jax.shard_map (JAX 0.6 and later); the page shows the current API")
     assert outcomes[ident] is None, f"{ident}:\n{outcomes[ident]}"

@@ -30,7 +30,7 @@ from ._caches import on_clear
 from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
 from ._outputs import Packed
-from ._program import Program, Residuals, Spec
+from ._program import Program, Residuals, Spec, as_arrays
 from ._tie import tie_outputs
 from ._tree import Partition, Unkeyable, static_key
 
@@ -92,7 +92,7 @@ class _Program(Program):
             )
         if _jax_internals.called_from_forward_mode() or _jax_internals.called_from_linearize():
             raise _no_forward_mode(spec)
-        arrays = tuple(p.value for p in primals)
+        arrays = as_arrays([p.value for p in primals])  # eager runs pass weakly typed Python scalars
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
         packed, residuals = self.run_forward(arrays, needs)
         # Under a higher-order derivative, outputs and saved outputs differentiate by backward, not forward's code.

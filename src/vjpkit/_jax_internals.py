@@ -575,3 +575,9 @@ def batched_aval(aval: Any, size: int, axis_data: Any) -> Any:
 # ``core.unmapped_aval`` is (size, axis_name, axis, aval) in JAX 0.4.38 and
 # (size, axis, aval, explicit_mesh_axis) from JAX 0.5.
 _UNMAPPED_AVAL_TAKES_AXIS_NAME = "axis_name" in _unmapped_aval.__code__.co_varnames[:2]
+
+
+# jax.linearize told apart from jax.vjp inside a LinearizeTrace (JAX 0.10 and
+# later); before, vjpkit cannot name the class when jax.linearize reaches a
+# backward-only Function, and JAX's own "can't apply forward-mode" error stands.
+LINEARIZE_IS_TOLD_FROM_VJP = LINEARIZE_KEEPS_ORDERED_EFFECTS

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import vjpkit  # noqa: E402
+from vjpkit._jax_internals import enable_x64  # noqa: E402  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_matches_torch  # noqa: E402
 
 R = 4  # ranks in the tensor-parallel group
@@ -105,7 +106,7 @@ class TorchGatherFromModelParallelRegion(torch.autograd.Function):
 
 
 def split_along_last_dim(x):
-    size = x.shape[-1] // jax.lax.axis_size(AXIS)
+    size = x.shape[-1] // jax.lax.psum(1, AXIS)
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(AXIS) * size, size, axis=-1)
 
 
@@ -153,7 +154,18 @@ class GatherFromModelParallelRegion(vjpkit.Function):
         return split_along_last_dim(grad_output)
 
 
-MESH = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+if hasattr(jax, "shard_map"):
+    def shard_map(f, **kwargs):  # Megatron's convention: no varying-type check
+        return jax.shard_map(f, check_vma=False, **kwargs)
+else:  # JAX before 0.6: the experimental shard_map, its replication check off
+    from jax.experimental.shard_map import shard_map as _experimental_shard_map
+
+    def shard_map(f, **kwargs):
+        return _experimental_shard_map(f, check_rep=False, **kwargs)
+
+
+AXIS_TYPE = getattr(jax.sharding, "AxisType", None)  # JAX before 0.5: every mesh axis is Auto
+MESH = jax.make_mesh((R,), (AXIS,), **({"axis_types": (AXIS_TYPE.Auto,)} if AXIS_TYPE else {}))
 
 
 def on_ranks(port):
@@ -166,7 +178,7 @@ def on_ranks(port):
     the reduce's gradient would be counted R times.
     """
     def fn(x):
-        return jax.shard_map(port.apply, mesh=MESH, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False)(x)
+        return shard_map(port.apply, mesh=MESH, in_specs=P(AXIS), out_specs=P(AXIS))(x)
     fn.__name__ = port.__name__
     return fn
 
@@ -191,7 +203,7 @@ def matches_torch_to_second_order(torch_fn, port):
 def jit_grad_matches_torch(torch_fn, port):
     leaf = torch.tensor(X, requires_grad=True)
     (want,) = torch.autograd.grad(torch_fn.apply(leaf.clone()).sin().sum(), leaf)
-    with jax.enable_x64(True):
+    with enable_x64(True):
         got = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(on_ranks(port)(x)))))(jnp.asarray(X))
     np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-12)
 
@@ -201,9 +213,9 @@ def vmap_inside_shard_map_matches_loop(torch_fn, port):
     def batched(x):
         return jax.vmap(port.apply, in_axes=1, out_axes=1)(x)
 
-    with jax.enable_x64(True):
+    with enable_x64(True):
         x = jnp.asarray(X)
-        got = jax.shard_map(batched, mesh=MESH, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False)(x)
+        got = shard_map(batched, mesh=MESH, in_specs=P(AXIS), out_specs=P(AXIS))(x)
         for b in range(X.shape[1]):
             want = on_ranks(port)(x[:, b])
             np.testing.assert_allclose(np.asarray(got[:, b]), np.asarray(want), rtol=1e-12)

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
+
 
 def torch_grad(torch_fn: Any, inputs: Sequence[Any], argnums: Sequence[int], output: int = 0) -> list[np.ndarray]:
     """PyTorch's gradient of ``sum(sin(output))`` with respect to the inputs at ``argnums``."""
@@ -46,7 +48,7 @@ def assert_jit_grad_matches_torch(torch_fn: Any, port: Any, inputs: Sequence[Any
                                   output: int = 0, rtol: float = 1e-7, atol: float = 1e-9) -> None:
     expected = torch_grad(torch_fn, inputs, argnums, output)
     call = getattr(port, "apply", port)
-    with jax.enable_x64(True):
+    with enable_x64(True):
         args = [jnp.asarray(v) if isinstance(v, np.ndarray) else v for v in inputs]
         loss = sin_loss(call, args, argnums, output)
         got = jax.jit(jax.grad(loss, argnums=tuple(range(len(argnums)))))(*[args[k] for k in argnums])
@@ -67,7 +69,7 @@ def assert_vmap_matches_loop(port: Any, batched: Sequence[Any], in_axes: Sequenc
         return jax.grad(sin_loss(call, args, argnums, output), argnums=tuple(range(len(argnums))))(
             *[args[k] for k in argnums])
 
-    with jax.enable_x64(True):
+    with enable_x64(True):
         arrays = [jnp.asarray(v) if isinstance(v, np.ndarray) else v for v in batched]
         dynamic = [k for k, v in enumerate(arrays) if isinstance(v, jax.Array)]
 

@@ -6,7 +6,11 @@ keep ``sigmoid(x)``; this keeps ``x`` and recomputes the sigmoid in backward.
 Pattern: a memory-efficient activation saving its input.
 """
 
+import contextlib
+import io
+
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -61,6 +65,8 @@ def test_swish_under_jit_grad_and_vmap():
 
 
 def test_swish_keeps_one_residual_the_input():
-    _, vjp = jax.vjp(SwishImplementation.apply, jnp.ones(3))
-    residuals = [leaf for leaf in jax.tree.leaves(vjp) if hasattr(leaf, "shape") and leaf.shape == (3,)]
-    assert len(residuals) == 1 and jnp.array_equal(residuals[0], jnp.ones(3))
+    # JAX's own account of what a VJP keeps (the same report on every JAX version).
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        jax.ad_checkpoint.print_saved_residuals(SwishImplementation.apply, jnp.ones(3))
+    assert report.getvalue().splitlines() == ["f32[3] from the argument args[0]"]

@@ -24,6 +24,7 @@ import torch
 from port_checks import assert_jit_grad_matches_torch, assert_vmap_matches_loop
 
 import vjpkit
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_matches_torch
 
 RNG = np.random.default_rng(8)
@@ -80,7 +81,7 @@ def test_linear_quantize_ste_matches_pytorch_in_place_and_not():
 
 
 def test_linear_quantize_ste_gradient_is_the_straight_through_estimator():
-    with jax.enable_x64(True):
+    with enable_x64(True):
         x = jnp.asarray(X)
         got = jax.grad(lambda x: jnp.sum(jnp.sin(LinearQuantizeSTE.apply(x, SCALE, ZERO_POINT, True, False))))(x)
         want = jax.grad(lambda x: jnp.sum(jnp.sin((round_ste(SCALE * x - ZERO_POINT) + ZERO_POINT) / SCALE)))(x)
@@ -125,7 +126,7 @@ def test_binary_quantize_matches_pytorch():
 
 
 def test_binary_quantize_gradient_is_the_tanh_estimator():
-    with jax.enable_x64(True):
+    with enable_x64(True):
         x = jnp.asarray(X)
         got = jax.grad(lambda x: jnp.sum(BinaryQuantize.apply(x, K, T)))(x)
         want = jax.grad(lambda x: jnp.sum(K * jnp.tanh(x * T)))(x)
@@ -188,7 +189,7 @@ def test_lsq_matches_pytorch_with_a_step_gradient():
 
 def test_lsq_step_gradient_is_the_straight_through_rounding_one():
     _, alpha, g, Qn, Qp = LSQ_ARGS
-    with jax.enable_x64(True):
+    with enable_x64(True):
         w, a = jnp.asarray(X), jnp.asarray(alpha)
         loss = lambda f: lambda w, a: jnp.sum(jnp.sin(f(w, a)))  # noqa: E731
         got = jax.grad(loss(lambda w, a: FunLSQ.apply(w, a, g, Qn, Qp)), argnums=(0, 1))(w, a)

@@ -8,13 +8,13 @@ estimator for the inputs and ``index_add_`` for the codebook; ``no_grad``
 in forward; ``needs_input_grad``.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 from port_checks import assert_jit_grad_matches_torch, assert_vmap_matches_loop
 
 import vjpkit
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_gradcheck, assert_matches_torch
 
 RNG = np.random.default_rng(5)
@@ -120,7 +120,7 @@ def test_straight_through_under_jit_grad_and_vmap():
 
 
 def test_vector_quantization_indices_match_pytorch():
-    with jax.enable_x64(True):
+    with enable_x64(True):
         got = VectorQuantization.apply(jnp.asarray(INPUTS), jnp.asarray(CODEBOOK))
     want = TorchVectorQuantization.apply(torch.tensor(INPUTS), torch.tensor(CODEBOOK))
     np.testing.assert_array_equal(np.asarray(got), want.numpy())
