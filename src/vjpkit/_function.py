@@ -249,8 +249,8 @@ class _Cache:
         values = spec.signature.bind(args, kwargs)
         layout, _ = spec.partition_arguments(values)
         key = ("detect_anomaly", layout.key) if anomaly else layout.key
-        leaves = _call_leaves(args, kwargs)
-        path = [(self.shapes[anomaly], (*map(type, args), *kwargs))]  # (table, key) down to the route
+        leaves: Any = _call_leaves(args, kwargs)
+        path: list[Any] = [(self.shapes[anomaly], (*map(type, args), *kwargs))]  # (table, key) down to the route
         nested = any(map(_is_pytree, leaves))
         if nested:
             leaves, treedef = jax.tree_util.tree_flatten(leaves)
@@ -386,7 +386,7 @@ def _make_apply(cache: _Cache) -> Callable:
 
     def apply(*args: Any, **kwargs: Any) -> Any:
         shape = shapes[active[0] and anomaly_enabled()].get((*map(type, args), *kwargs))
-        leaves = (*args, *kwargs.values()) if kwargs else args
+        leaves: Any = (*args, *kwargs.values()) if kwargs else args
         if shape is not None and shape.nested:  # pytree arguments: their structure and leaf types
             leaves, treedef = flatten(leaves)
             shape = shape.routes.get((treedef, *map(type, leaves)))

@@ -1163,6 +1163,7 @@ def _jacobian_report(fn, checker, diff, fixed, tol, naming, first=None) -> tuple
     out, notes = first if first is not None and "numerical" in first[0].blocks else (None, None)
     if out is None:
         out, notes = checker.run(fn, diff, fixed, tol, report=True)
+    assert notes is not None  # every run returns its record of rows
     summary = _summary(out)
     problems, mismatches = [], []
     for (check, j, k), s in zip(notes.rows, summary, strict=True):

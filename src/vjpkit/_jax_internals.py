@@ -383,13 +383,13 @@ def linearizing() -> bool:
 class ShardingApi(NamedTuple):
     """What this JAX offers for sharding types; ``None`` fields where it offers nothing."""
 
-    get_abstract_mesh: Callable | None  # () -> the context's AbstractMesh
-    use_abstract_mesh: Callable | None  # context manager: trace under another AbstractMesh
-    reshard: Callable | None  # (x, PartitionSpec | NamedSharding) -> x with that type
+    get_abstract_mesh: Any  # a callable, or None where this JAX lacks it; () -> the context's AbstractMesh
+    use_abstract_mesh: Any  # None where this JAX lacks it; a context manager: trace under another mesh
+    reshard: Any  # a callable, or None where this JAX lacks it; (x, PartitionSpec | NamedSharding) -> x with that type
     auto: Any  # AxisType.Auto
     sharding_type_error: type | None  # raised by an ambiguous operation under Explicit axes
-    varying_axes: Callable | None  # x -> frozenset of shard_map axes x varies along
-    mark_varying: Callable | None  # (x, axes: tuple) -> x typed as varying along axes too
+    varying_axes: Any  # a callable, or None where this JAX lacks it; x -> frozenset of shard_map axes x varies along
+    mark_varying: Any  # None where this JAX lacks it; (x, axes) -> x typed as varying along axes
     debug_callback_everywhere: dict  # jax.debug.callback's keywords to run on every device
 
 
@@ -501,7 +501,7 @@ def linearizing_for_reverse_mode() -> bool:
     direct = _direct_linearize.value
     if not direct and isinstance(current_trace.value, _JaxprTrace):
         return True
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if direct and (code is _LINEARIZE_CUSTOM_JVP_CODE or code is _LINEARIZE_PRIMITIVE_CODE):

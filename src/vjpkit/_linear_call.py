@@ -268,7 +268,7 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
                 lambda r_, xs_: list(rule(r_, xs_)), in_axes=(res_axes, 0), axis_size=size, **axis_names
             )(r, xs)
 
-        batched_rule.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)
+        batched_rule.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)  # type: ignore[attr-defined]
         return batched_rule
 
     batched_out_avals = tuple(_jax_internals.batched_aval(a, size, axis_data) for a in out_avals)
