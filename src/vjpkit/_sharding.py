@@ -33,16 +33,6 @@ import jax
 
 from . import _jax_internals
 
-__all__ = [
-    "call_with_auto_axes",
-    "explicit_sharding",
-    "gradient_shardings",
-    "sharding_type_errors",
-    "forward_sharding_error",
-    "vary_like",
-    "debug_callback_everywhere",
-]
-
 
 def debug_callback_everywhere() -> dict:
     """Keywords for ``jax.debug.callback`` to run it on every device, in every process.

@@ -46,8 +46,6 @@ import numpy as np
 
 from . import _jax_internals
 
-__all__ = ["assert_matches_torch"]
-
 # Central differences of the first derivative, when the second orders disagree.
 _FD_EPS = 1e-6
 _FD_ATOL, _FD_RTOL = 1e-5, 1e-3
