@@ -252,8 +252,10 @@ class _Program:
         cts = self._bwd_cotangents(residuals, cotangents)
         if not _jax_internals.BWD_STRUCTURE_IS_FIXED:
             return cts
+        # JAX 0.5 to 0.7: no None in bwd's result, whose structure must not vary.
         kinds = [residuals.meta.in_kinds[k] for k in self.layout.dynamic]
-        return tuple(_jax_internals.zero_cotangent(*kind) if ct is None else ct for ct, kind in zip(cts, kinds, strict=True))
+        zero = _jax_internals.zero_cotangent
+        return tuple(zero(*kind) if ct is None else ct for ct, kind in zip(cts, kinds, strict=True))
 
     def _bwd_cotangents(self, residuals: _Residuals, cotangents: Packed) -> tuple:
         meta = residuals.meta
