@@ -27,9 +27,12 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import vjpkit  # noqa: E402
+from vjpkit import _jax_internals  # noqa: E402
 
 AxisType = getattr(jax.sharding, "AxisType", None)
-NO_EXPLICIT = "this JAX lacks Explicit mesh axes (jax.sharding.AxisType)"
+# vjpkit's Explicit-axes support needs AxisType, get_abstract_mesh, use_abstract_mesh and reshard (JAX 0.7).
+EXPLICIT = AxisType is not None and _jax_internals.sharding_api().use_abstract_mesh is not None
+NO_EXPLICIT = "this JAX lacks Explicit mesh axes as vjpkit uses them (AxisType, use_abstract_mesh, reshard: JAX 0.7)"
 shard_map = getattr(jax, "shard_map", None)
 if shard_map is None:
     # JAX before 0.6: its replication check cannot see through a custom_vjp
@@ -121,7 +124,7 @@ def same_types(got, inputs):
 
 
 def make_mesh(shape, names, types):
-    if AxisType is None:
+    if not EXPLICIT:
         raise Skip(NO_EXPLICIT)
     return jax.make_mesh(shape, names, axis_types=tuple(getattr(AxisType, t) for t in types))
 
