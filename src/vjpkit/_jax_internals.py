@@ -411,7 +411,8 @@ def sharding_api() -> ShardingApi:
     varying_axes = mark_varying = None
     if typeof is not None:
         pcast = getattr(jax.lax, "pcast", None)
-        pvary = getattr(jax.lax, "pvary", None)
+        # Looked up only without pcast: JAX 0.8 and 0.9 warn that pvary is deprecated on access.
+        pvary = None if pcast is not None else getattr(jax.lax, "pvary", None)
         if pcast is not None:
             mark_varying = functools.partial(pcast, to="varying")
         elif pvary is not None:
