@@ -54,6 +54,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -67,6 +68,7 @@ from jax import lax
 from . import _jax_internals
 from ._caches import on_clear
 from ._ctx import is_array
+from ._numpy_eval import numpy_evaluator
 from ._tree import Partition, partition, static_key
 
 # Largest batch of perturbed inputs (or one-hot cotangents) vmapped at once,
@@ -845,11 +847,8 @@ def _has_host_calls(jaxpr: Any) -> bool:
         name = eqn.primitive.name
         if "callback" in name or name == "ffi_call":
             return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns") and _has_host_calls(sub):
-                    return True
+        if any(_has_host_calls(sub) for sub in _sub_jaxprs(eqn)):
+            return True
     return False
 
 
@@ -869,9 +868,9 @@ class _Checker:
         self.split = split
         self.inputs = _input_ports(split, diff)
         self.outputs: list[_Port] = []  # fn's differentiable outputs (known after the first trace)
-        # report variant or not -> (compiled program, what its trace recorded): the
+        # report variant or not -> (program, what its trace recorded): the
         # variants record their summary rows in different orders.
-        self._variants: dict[bool, tuple[Callable, _Notes]] = {}
+        self._variants: dict[bool, tuple[_Program, _Notes]] = {}
         self.forward_unavailable: BaseException | None = None  # why fn has no forward mode
         self.forward_undefined_errors: dict[int, BaseException] = {}  # input alone -> jvp's error
         self.directions: tuple = ()  # fast mode's (us, vs)
@@ -883,11 +882,11 @@ class _Checker:
         args = (tuple(diff), tuple(fixed), _Numbers.of(tol))
         variant = self._variants.get(report)
         if variant is None:
-            variant = self._variants[report] = self._compile(fn, args, report)
-        compiled, notes = variant
-        return compiled(*args, self.directions), notes
+            variant = self._variants[report] = self._trace(fn, args, report)
+        program, notes = variant
+        return program(*args, self.directions), notes
 
-    def _compile(self, fn: Callable, args: tuple, report: bool) -> tuple[Callable, _Notes]:
+    def _trace(self, fn: Callable, args: tuple, report: bool) -> tuple[_Program, _Notes]:
         if not self._variants:  # the first program: learn what fn supports
             fixed = args[1]
             probe = _evaluator(fn, self.split, self.inputs, _Notes())
@@ -905,11 +904,81 @@ class _Checker:
         evaluate = _evaluator(fn, self.split, self.inputs, notes)
         program = _build_program(evaluate, options, notes, report, frozenset(self.forward_undefined_errors))
         traced = program.trace(*args, self.directions)
+        host_calls = _has_host_calls(traced.jaxpr.jaxpr)
         if not report:
-            self.rerun = jax.default_backend() != "cpu" or _has_host_calls(traced.jaxpr)
+            self.rerun = jax.default_backend() != "cpu" or host_calls
         self.outputs = notes.outputs
         notes.detach()
-        return _compile_lowered(traced.lower()), notes
+        # Evaluated on the host only where that is the same computation as the compiled program's,
+        # run for run: on the CPU, and without callbacks or effects, which a rerun must see take
+        # the same path (two runs compared under nondet_tol must not differ by rounding alone).
+        evaluable = jax.default_backend() == "cpu" and not host_calls and not traced.jaxpr.effects
+        return _Program(traced, evaluable), notes
+
+
+class _Program:
+    """A traced checking program, run by the cheaper of evaluating it and compiling it.
+
+    The first runs evaluate the jaxpr op by op with NumPy (``_numpy_eval``):
+    no lowering, no compile, where XLA's CPU compiler costs about a
+    millisecond per kernel. Once the time spent evaluating exceeds what
+    compiling is estimated to cost, the program is compiled and runs
+    compiled from then on (the ski-rental rule: the total stays within about
+    twice the best choice in hindsight, whether a check runs once or
+    thousands of times).
+    """
+
+    def __init__(self, traced: Any, evaluable: bool):
+        self.traced: Any = traced  # dropped once compiled: the jaxpr holds fn's constants
+        self.compiled: Callable | None = None
+        self.evaluate: Callable | None = None
+        self.spent = 0.0  # seconds spent evaluating
+        self.budget = _compile_estimate(traced.jaxpr.jaxpr) if evaluable else 0.0
+        info = traced.out_info
+        self.out_tree = jax.tree_util.tree_structure(info, is_leaf=lambda x: hasattr(x, "shape"))
+
+    def __call__(self, *args: Any) -> _Output:
+        if self.compiled is None and self.spent >= self.budget:
+            self.compiled = _compile_lowered(self.traced.lower())
+            self.traced = self.evaluate = None
+        if self.compiled is not None:
+            return self.compiled(*args)
+        start = time.perf_counter()
+        if self.evaluate is None:
+            self.evaluate = numpy_evaluator(self.traced.jaxpr)
+        out = self.evaluate(jax.tree_util.tree_leaves(args))
+        self.spent += time.perf_counter() - start
+        return jax.tree_util.tree_unflatten(self.out_tree, out)
+
+
+# XLA's CPU compile time of checking programs, measured on the 2-core development machine
+# (JAX 0.10.2, _CPU_COMPILE_OPTIONS; benchmarks/gradcheck.py): a fixed part, plus a part per
+# jaxpr equation (sub-jaxprs' equations included).
+_COMPILE_FIXED_S = 0.05
+_COMPILE_PER_EQUATION_S = 0.00075
+
+
+def _compile_estimate(jaxpr: Any) -> float:
+    return _COMPILE_FIXED_S + _COMPILE_PER_EQUATION_S * _count_equations(jaxpr)
+
+
+def _count_equations(jaxpr: Any) -> int:
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += 1
+        for sub in _sub_jaxprs(eqn):
+            count += _count_equations(sub)
+    return count
+
+
+def _sub_jaxprs(eqn: Any) -> list:
+    found = []
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns"):
+                found.append(sub)
+    return found
 
 
 def _compile_lowered(lowered: Any) -> Callable:
