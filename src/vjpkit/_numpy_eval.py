@@ -129,17 +129,24 @@ def _complex(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _shift(x: np.ndarray, y: np.ndarray, kind: str) -> np.ndarray:
-    """XLA's shifts: an amount outside [0, bits) gives 0 (or the sign, for arithmetic right shifts)."""
+    """XLA's shifts of the bits: an amount outside [0, bits) shifts every bit out.
+
+    An arithmetic right shift takes the bits as signed, a logical one as
+    unsigned, whatever the dtype.
+    """
     bits = x.dtype.itemsize * 8
-    unsigned = np.dtype(f"u{x.dtype.itemsize}")
+    unsigned, signed = np.dtype(f"u{x.dtype.itemsize}"), np.dtype(f"i{x.dtype.itemsize}")
     amount = y.astype(unsigned)
     valid = amount < bits
     amount = np.where(valid, amount, 0)
     if kind == "left":
-        return np.where(valid, (x.astype(unsigned) << amount).astype(x.dtype), 0)
-    if kind == "logical":
-        return np.where(valid, (x.astype(unsigned) >> amount).astype(x.dtype), 0)
-    return np.where(valid, x >> amount.astype(x.dtype), np.where(x < 0, -1, 0))
+        out = np.where(valid, x.astype(unsigned) << amount, 0)
+    elif kind == "logical":
+        out = np.where(valid, x.astype(unsigned) >> amount, 0)
+    else:
+        v = x.astype(signed)
+        out = np.where(valid, v >> amount.astype(signed), np.where(v < 0, -1, 0))
+    return out.astype(signed).astype(x.dtype)
 
 
 def _convert_element_type(x: np.ndarray, *, new_dtype: Any, **_: Any) -> np.ndarray:
@@ -240,10 +247,11 @@ def _dot_general(lhs: np.ndarray, rhs: np.ndarray, *, dimension_numbers: Any, pr
     def sizes(x: np.ndarray, dims: Sequence) -> list[int]:
         return [x.shape[d] for d in dims]
 
-    batch, k = sizes(lhs, lb), math.prod(sizes(lhs, lc))
-    a = np.transpose(lhs, [*lb, *lf, *lc]).astype(out_dtype).reshape(math.prod(batch), -1, k)
-    b = np.transpose(rhs, [*rb, *rc, *rf]).astype(out_dtype).reshape(math.prod(batch), k, -1)
-    return np.matmul(a, b).reshape(*batch, *sizes(lhs, lf), *sizes(rhs, rf))
+    batch, b, k = sizes(lhs, lb), math.prod(sizes(lhs, lb)), math.prod(sizes(lhs, lc))
+    free_l, free_r = sizes(lhs, lf), sizes(rhs, rf)
+    a = np.transpose(lhs, [*lb, *lf, *lc]).astype(out_dtype).reshape(b, math.prod(free_l), k)
+    c = np.transpose(rhs, [*rb, *rc, *rf]).astype(out_dtype).reshape(b, k, math.prod(free_r))
+    return np.matmul(a, c).reshape(*batch, *free_l, *free_r)
 
 
 def _reduction(ufunc: np.ufunc, identity: Callable[[np.dtype], Any]) -> Callable:
@@ -281,24 +289,21 @@ def _cumulative(accumulate: Callable) -> Callable:
     return cumulative
 
 
-def _total_order_key(x: np.ndarray) -> np.ndarray:
-    """Floats as integers ordered as XLA's sort orders them: -NaN < -inf < ... < -0.0 < 0.0 < ... < inf < NaN."""
-    if x.dtype.kind != "f":
-        return x
-    bits = x.view(np.dtype(f"i{x.dtype.itemsize}"))
-    return np.where(bits < 0, bits ^ np.iinfo(bits.dtype).max, bits)
-
-
 def _sort(*operands: np.ndarray, dimension: int, is_stable: bool, num_keys: int) -> list[np.ndarray]:
-    keys = [np.moveaxis(_total_order_key(k), dimension, -1) for k in operands[:num_keys]]
-    order = np.lexsort(keys[::-1], axis=-1)  # np.lexsort: last key is the primary one; stable
+    """Lexicographic on the first ``num_keys`` operands, stable (unstable sorts fall back).
+
+    lax's comparator takes -0.0 as 0.0 and every NaN as the greatest value:
+    NumPy's order of floats, so its keys need no transformation.
+    """
+    keys = [np.moveaxis(k, dimension, -1) for k in operands[:num_keys]]
+    order = np.lexsort(keys[::-1], axis=-1)  # np.lexsort: the last key is the primary one
     return [np.moveaxis(np.take_along_axis(np.moveaxis(x, dimension, -1), order, -1), -1, dimension)
             for x in operands]
 
 
 # ---------------------------------------------------------------------------
 # The table: primitive -> NumPy function of the operands (params as keywords), and
-# which dtypes it takes ("f" float, "c" complex, "i" integer, "b" bool).
+# which dtypes it takes (NumPy's kinds: "f" float, "c" complex, "i"/"u" signed/unsigned integer, "b" bool).
 
 
 def _elementwise(f: Callable) -> Callable:
@@ -306,7 +311,7 @@ def _elementwise(f: Callable) -> Callable:
     return lambda *xs, **_: f(*xs)
 
 
-_ANY, _NUMBERS, _INEXACT, _REAL, _FLOAT, _INTEGER = "fcib", "fci", "fc", "fib", "f", "ib"
+_ANY, _NUMBERS, _INEXACT, _REAL, _FLOAT, _INTEGER = "fciub", "fciu", "fc", "fiub", "f", "iub"
 
 _BY_NAME: dict[str, tuple[Callable, str]] = {
     # Arithmetic.
@@ -349,8 +354,8 @@ _BY_NAME: dict[str, tuple[Callable, str]] = {
     "sub": (_elementwise(np.subtract), _NUMBERS),
     "mul": (_elementwise(np.multiply), _NUMBERS),
     "div": (_elementwise(_div), _NUMBERS),
-    "rem": (_elementwise(_rem), "fi"),
-    "pow": (_elementwise(np.power), _INEXACT),
+    "rem": (_elementwise(_rem), "fiu"),
+    "pow": (_elementwise(np.power), _FLOAT),  # complex: XLA's special cases (1 ** inf) differ
     "max": (_elementwise(np.maximum), _REAL),  # complex max/min order lexicographically: fallback
     "min": (_elementwise(np.minimum), _REAL),
     "atan2": (_elementwise(np.arctan2), _FLOAT),
@@ -361,9 +366,9 @@ _BY_NAME: dict[str, tuple[Callable, str]] = {
     "and": (_elementwise(np.bitwise_and), _INTEGER),
     "or": (_elementwise(np.bitwise_or), _INTEGER),
     "xor": (_elementwise(np.bitwise_xor), _INTEGER),
-    "shift_left": (_elementwise(functools.partial(_shift, kind="left")), "i"),
-    "shift_right_logical": (_elementwise(functools.partial(_shift, kind="logical")), "i"),
-    "shift_right_arithmetic": (_elementwise(functools.partial(_shift, kind="arithmetic")), "i"),
+    "shift_left": (_elementwise(functools.partial(_shift, kind="left")), "iu"),
+    "shift_right_logical": (_elementwise(functools.partial(_shift, kind="logical")), "iu"),
+    "shift_right_arithmetic": (_elementwise(functools.partial(_shift, kind="arithmetic")), "iu"),
     # Comparisons (ordering complex numbers is lexicographic in lax: fallback).
     "eq": (_elementwise(np.equal), _ANY),
     "ne": (_elementwise(np.not_equal), _ANY),
@@ -375,7 +380,6 @@ _BY_NAME: dict[str, tuple[Callable, str]] = {
     # Types and copies.
     "convert_element_type": (_convert_element_type, _ANY),
     "copy": (_elementwise(np.array), _ANY),
-    "copy_p": (_elementwise(np.array), _ANY),
     # Shapes.
     "broadcast_in_dim": (_broadcast_in_dim, _ANY),
     "reshape": (_reshape, _ANY),
@@ -422,8 +426,17 @@ TABLE: dict[Any, tuple[Callable, str]] = {
     _PRIMITIVES[name]: rule for name, rule in _BY_NAME.items() if name in _PRIMITIVES
 }
 
-# Params that change a primitive's result beyond what NumPy computes: not None -> fallback.
-_FALLBACK_PARAMS = ("accuracy",)
+
+def _numpy_can_evaluate(eqn: Any) -> bool:
+    """Whether NumPy computes what XLA does for this equation (else it falls back)."""
+    rule = TABLE.get(eqn.primitive)
+    if rule is None or not all(_native(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+        return False
+    if eqn.invars and eqn.invars[0].aval.dtype.kind not in rule[1]:
+        return False
+    if eqn.params.get("accuracy") is not None:  # a transcendental at a chosen accuracy (JAX 0.6 and later)
+        return False
+    return eqn.primitive.name != "sort" or eqn.params["is_stable"]  # XLA orders ties its own way
 
 
 # ---------------------------------------------------------------------------
@@ -510,12 +523,8 @@ class _Planner:
         rule = _SUBJAXPR_RULES.get(primitive)
         if rule is not None:
             return rule(self, params)
-        numpy_rule = TABLE.get(primitive)
-        avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
-        if (numpy_rule is not None and all(_native(a) for a in avals)
-                and all(a.dtype.kind in numpy_rule[1] for a in (v.aval for v in eqn.invars[:1]))
-                and not any(params.get(p) is not None for p in _FALLBACK_PARAMS)):
-            return _numpy_step(numpy_rule[0], params, eqn)
+        if _numpy_can_evaluate(eqn):
+            return _numpy_step(TABLE[primitive][0], params, eqn)
         self.fallbacks.add(primitive.name)
         return _fallback_step(primitive, params)
 
