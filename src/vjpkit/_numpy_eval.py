@@ -249,8 +249,8 @@ def _dot_general(lhs: np.ndarray, rhs: np.ndarray, *, dimension_numbers: Any, pr
 
     batch, b, k = sizes(lhs, lb), math.prod(sizes(lhs, lb)), math.prod(sizes(lhs, lc))
     free_l, free_r = sizes(lhs, lf), sizes(rhs, rf)
-    a = np.transpose(lhs, [*lb, *lf, *lc]).astype(out_dtype).reshape(b, math.prod(free_l), k)
-    c = np.transpose(rhs, [*rb, *rc, *rf]).astype(out_dtype).reshape(b, k, math.prod(free_r))
+    a = np.transpose(lhs, [*lb, *lf, *lc]).astype(out_dtype, copy=False).reshape(b, math.prod(free_l), k)
+    c = np.transpose(rhs, [*rb, *rc, *rf]).astype(out_dtype, copy=False).reshape(b, k, math.prod(free_r))
     return np.matmul(a, c).reshape(*batch, *free_l, *free_r)
 
 
