@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import jaxpr_as_fun
 
 from . import _jax_internals
 from ._caches import on_clear
@@ -929,26 +930,36 @@ class _Program:
     """
 
     def __init__(self, traced: Any, evaluable: bool):
-        self.traced: Any = traced  # dropped once compiled: the jaxpr holds fn's constants
         self.compiled: Callable | None = None
+        self.jaxpr: Any = None  # the program, kept only until compiled (it holds fn's constants)
         self.evaluate: Callable | None = None
         self.spent = 0.0  # seconds spent evaluating
-        self.budget = _compile_estimate(traced.jaxpr.jaxpr) if evaluable else 0.0
-        info = traced.out_info
-        self.out_tree = jax.tree_util.tree_structure(info, is_leaf=lambda x: hasattr(x, "shape"))
+        self.budget = 0.0
+        self.out_tree = jax.tree_util.tree_structure(traced.out_info, is_leaf=lambda x: hasattr(x, "shape"))
+        if evaluable:
+            self.jaxpr = traced.jaxpr
+            self.budget = _compile_estimate(traced.jaxpr.jaxpr)
+        else:
+            self.compiled = _compile_lowered(traced.lower())
 
     def __call__(self, *args: Any) -> _Output:
         if self.compiled is None and self.spent >= self.budget:
-            self.compiled = _compile_lowered(self.traced.lower())
-            self.traced = self.evaluate = None
+            self.compiled = self._compile(jax.tree_util.tree_leaves(args))
         if self.compiled is not None:
             return self.compiled(*args)
         start = time.perf_counter()
         if self.evaluate is None:
-            self.evaluate = numpy_evaluator(self.traced.jaxpr)
+            self.evaluate = numpy_evaluator(self.jaxpr)
         out = self.evaluate(jax.tree_util.tree_leaves(args))
         self.spent += time.perf_counter() - start
         return jax.tree_util.tree_unflatten(self.out_tree, out)
+
+    def _compile(self, flat: list) -> Callable:
+        """Compiles the jaxpr (not the Traced, whose lowering may hold on to fn), and lets it go."""
+        compiled = _compile_lowered(jax.jit(jaxpr_as_fun(self.jaxpr)).lower(*flat))
+        self.jaxpr = self.evaluate = None
+        out_tree = self.out_tree
+        return lambda *args: jax.tree_util.tree_unflatten(out_tree, compiled(*jax.tree_util.tree_leaves(args)))
 
 
 # XLA's CPU compile time of checking programs, measured on the 2-core development machine
