@@ -367,6 +367,19 @@ def test_jit_cond_while_and_scan_are_evaluated_through_their_bodies():
         assert not fallbacks
 
 
+def test_a_vmapped_while_loop_stops_each_member_at_its_own_step():
+    def newton_sqrt(x):
+        def step(c):
+            return c[0] + 1, 0.5 * (c[1] + x / c[1])
+
+        return lax.while_loop(lambda c: jnp.abs(c[1] * c[1] - x) > 1e-12, step, (0, jnp.maximum(x, 1.0)))
+
+    (steps, roots), fallbacks = evaluated(jax.vmap(newton_sqrt), np.array([1.0, 2.0, 100.0, 1e6]))
+    assert not fallbacks
+    assert len(set(steps.tolist())) > 1  # members stopped at different steps
+    np.testing.assert_allclose(roots, np.sqrt([1.0, 2.0, 100.0, 1e6]), rtol=1e-12)
+
+
 def test_custom_derivatives_and_remat_are_evaluated_through_their_primal_functions():
     @jax.custom_jvp
     def cj(x):

@@ -34,6 +34,7 @@ XLA's CPU flushing subnormals to zero.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any, Callable, Sequence
 
@@ -149,7 +150,7 @@ def _shift(x: np.ndarray, y: np.ndarray, kind: str) -> np.ndarray:
     return out.astype(signed).astype(x.dtype)
 
 
-def _convert_element_type(x: np.ndarray, *, new_dtype: Any, **_: Any) -> np.ndarray:
+def _convert_element_type(x: np.ndarray, *, new_dtype: Any) -> np.ndarray:
     new = np.dtype(new_dtype)
     if x.dtype.kind == "c" and new.kind != "c":
         x = np.real(x)  # lax drops the imaginary part
@@ -169,20 +170,20 @@ def _convert_element_type(x: np.ndarray, *, new_dtype: Any, **_: Any) -> np.ndar
 # Structural primitives.
 
 
-def _broadcast_in_dim(x: np.ndarray, *, shape: tuple, broadcast_dimensions: tuple, **_: Any) -> np.ndarray:
+def _broadcast_in_dim(x: np.ndarray, *, shape: tuple, broadcast_dimensions: tuple) -> np.ndarray:
     expanded = [1] * len(shape)
     for i, d in enumerate(broadcast_dimensions):
         expanded[d] = x.shape[i]
     return np.broadcast_to(x.reshape(expanded), shape)
 
 
-def _reshape(x: np.ndarray, *, new_sizes: tuple, dimensions: tuple | None = None, **_: Any) -> np.ndarray:
+def _reshape(x: np.ndarray, *, new_sizes: tuple, dimensions: tuple | None = None) -> np.ndarray:
     if dimensions is not None:
         x = np.transpose(x, dimensions)
     return x.reshape(new_sizes)
 
 
-def _iota(*, dtype: Any, shape: tuple, dimension: int, **_: Any) -> np.ndarray:
+def _iota(*, dtype: Any, shape: tuple, dimension: int) -> np.ndarray:
     axis = [1] * len(shape)
     axis[dimension] = shape[dimension]
     return np.broadcast_to(np.arange(shape[dimension], dtype=dtype).reshape(axis), shape)
@@ -238,7 +239,7 @@ def _clamp(lo: np.ndarray, x: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 def _dot_general(lhs: np.ndarray, rhs: np.ndarray, *, dimension_numbers: Any, preferred_element_type: Any = None,
-                 out_dtype: Any, **_: Any) -> np.ndarray:
+                 result_dtype: Any) -> np.ndarray:
     """Batch dimensions, then lhs's free ones, then rhs's: a batched matmul of (B, M, K) by (B, K, N)."""
     (lc, rc), (lb, rb) = dimension_numbers
     lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
@@ -249,13 +250,13 @@ def _dot_general(lhs: np.ndarray, rhs: np.ndarray, *, dimension_numbers: Any, pr
 
     batch, b, k = sizes(lhs, lb), math.prod(sizes(lhs, lb)), math.prod(sizes(lhs, lc))
     free_l, free_r = sizes(lhs, lf), sizes(rhs, rf)
-    a = np.transpose(lhs, [*lb, *lf, *lc]).astype(out_dtype, copy=False).reshape(b, math.prod(free_l), k)
-    c = np.transpose(rhs, [*rb, *rc, *rf]).astype(out_dtype, copy=False).reshape(b, k, math.prod(free_r))
+    a = np.transpose(lhs, [*lb, *lf, *lc]).astype(result_dtype, copy=False).reshape(b, math.prod(free_l), k)
+    c = np.transpose(rhs, [*rb, *rc, *rf]).astype(result_dtype, copy=False).reshape(b, k, math.prod(free_r))
     return np.matmul(a, c).reshape(*batch, *free_l, *free_r)
 
 
 def _reduction(ufunc: np.ufunc, identity: Callable[[np.dtype], Any]) -> Callable:
-    def reduce(x: np.ndarray, *, axes: tuple, **_: Any) -> np.ndarray:
+    def reduce(x: np.ndarray, *, axes: tuple) -> np.ndarray:
         return ufunc.reduce(x, axis=tuple(axes), dtype=x.dtype, initial=identity(x.dtype))
 
     return reduce
@@ -307,8 +308,8 @@ def _sort(*operands: np.ndarray, dimension: int, is_stable: bool, num_keys: int)
 
 
 def _elementwise(f: Callable) -> Callable:
-    """A NumPy function of operands only; lax's elementwise params (accuracy, out_dtype) say nothing more."""
-    return lambda *xs, **_: f(*xs)
+    """A NumPy function of the operands only (taking no params)."""
+    return lambda *xs: f(*xs)
 
 
 _ANY, _NUMBERS, _INEXACT, _REAL, _FLOAT, _INTEGER = "fciub", "fciu", "fc", "fiub", "f", "iub"
@@ -427,6 +428,19 @@ TABLE: dict[Any, tuple[Callable, str]] = {
 }
 
 
+# Params that say nothing about the values (placement, the CPU's ignored precision, typing
+# annotations): ignored. Any other param a rule does not take must be None (the default, such
+# as a transcendental's ``accuracy`` or ``mul``'s ``out_dtype``), else the equation falls back.
+_VALUE_FREE_PARAMS = frozenset({"sharding", "out_sharding", "precision", "weak_type", "input_dtype"})
+
+
+def _keywords(f: Callable) -> frozenset:
+    return frozenset(name for name, p in inspect.signature(f).parameters.items() if p.kind is p.KEYWORD_ONLY)
+
+
+_TAKES: dict[Callable, frozenset] = {f: _keywords(f) for f, _ in _BY_NAME.values()}
+
+
 def _numpy_can_evaluate(eqn: Any) -> bool:
     """Whether NumPy computes what XLA does for this equation (else it falls back)."""
     rule = TABLE.get(eqn.primitive)
@@ -434,7 +448,8 @@ def _numpy_can_evaluate(eqn: Any) -> bool:
         return False
     if eqn.invars and eqn.invars[0].aval.dtype.kind not in rule[1]:
         return False
-    if eqn.params.get("accuracy") is not None:  # a transcendental at a chosen accuracy (JAX 0.6 and later)
+    takes = _TAKES[rule[0]]
+    if any(v is not None for k, v in eqn.params.items() if k not in takes and k not in _VALUE_FREE_PARAMS):
         return False
     return eqn.primitive.name != "sort" or eqn.params["is_stable"]  # XLA orders ties its own way
 
@@ -522,7 +537,10 @@ class _Planner:
         primitive, params = eqn.primitive, eqn.params
         rule = _SUBJAXPR_RULES.get(primitive)
         if rule is not None:
-            return rule(self, params)
+            try:
+                return rule(self, params)
+            except KeyError:  # params of a JAX this evaluator does not know: JAX evaluates it
+                pass
         if _numpy_can_evaluate(eqn):
             return _numpy_step(TABLE[primitive][0], params, eqn)
         self.fallbacks.add(primitive.name)
@@ -531,8 +549,9 @@ class _Planner:
 
 def _numpy_step(f: Callable, params: dict, eqn: Any) -> Callable[[list], Sequence]:
     dtypes = [np.dtype(v.aval.dtype) for v in eqn.outvars]
+    params = {k: v for k, v in params.items() if k in _TAKES[f]}
     if eqn.primitive.name == "dot_general":
-        params = {**params, "out_dtype": dtypes[0]}
+        params = {**params, "result_dtype": dtypes[0]}
     if eqn.primitive.multiple_results:
         return lambda args: [np.asarray(r, dtype=d) for r, d in zip(f(*args, **params), dtypes, strict=True)]
     (dtype,) = dtypes
@@ -584,9 +603,18 @@ def _while_rule(planner: _Planner, params: dict) -> Callable:
 
     def loop(args: list) -> list:
         cond_consts, body_consts, carry = args[:nc], args[nc : nc + nb], list(args[nc + nb :])
-        while bool(cond([*cond_consts, *carry])[0]):
-            carry = body([*body_consts, *carry])
-        return carry
+        while True:
+            (going,) = cond([*cond_consts, *carry])
+            if not np.any(going):
+                return carry
+            new = body([*body_consts, *carry])
+            if np.ndim(going) == 0:
+                carry = new
+            else:
+                # A batched predicate (vmap of a loop): the loop runs while any member goes on, and
+                # the members that stopped keep their carry (as lax lowers it: leading dims).
+                carry = [np.where(np.reshape(going, np.shape(going) + (1,) * (np.ndim(n) - np.ndim(going))), n, c)
+                         for n, c in zip(new, carry, strict=True)]
 
     return loop
 
