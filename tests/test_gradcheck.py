@@ -925,3 +925,14 @@ def test_a_mismatch_reads_the_same_evaluated_and_compiled(compiles, compile_at_o
 def test_a_check_calling_back_to_the_host_compiles_so_that_its_rerun_takes_the_same_path(compiles):
     assert vjpkit.gradcheck(HostRowScale.apply, (X, W[0, :3]))
     assert compiles == [1]
+
+
+def test_a_program_the_host_fails_to_evaluate_is_compiled_and_checked(compiles, monkeypatch):
+    from vjpkit import _gradcheck
+
+    def failing_evaluator(jaxpr):
+        raise NotImplementedError("an equation the evaluator cannot handle")
+
+    monkeypatch.setattr(_gradcheck, "numpy_evaluator", failing_evaluator)
+    assert vjpkit.gradcheck(lambda x: jnp.sin(x) * x, (V,))
+    assert compiles == [1]

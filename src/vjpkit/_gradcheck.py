@@ -20,9 +20,18 @@ report, not in what is checked:
 
 - All one-hot output cotangents go through one ``vmap`` of the VJP, and all
   central-difference perturbations through one ``vmap`` of ``fn``, inside a
-  single jitted program that also compares the two Jacobians. The compiled
-  program is cached per (function, input signature, options), so a second
-  check of the same function runs only that program.
+  single traced program that also compares the two Jacobians. The program
+  is cached per (function, input signature, options), so a second check of
+  the same function runs only that program.
+- The first runs of that program are evaluated on the host, op by op with
+  NumPy, without compiling it: XLA's CPU compiler spends about a
+  millisecond per kernel, so a ``fn`` with a Python loop (which unrolls into
+  thousands of equations) would take seconds to compile for a check that
+  takes milliseconds to evaluate. Once the evaluations have cost as much
+  as compiling is estimated to, the program is compiled and runs compiled
+  from then on, so a check run thousands of times (hypothesis) pays the
+  compile once. On an accelerator, and when ``fn`` calls back to the host,
+  the program is compiled at once.
 - The work runs in float64 with ``jax_enable_x64`` switched on for
   gradcheck's own calls only (JAX's thread-local context), whatever the
   process-wide setting. Float32 inputs are cast, with a warning.
@@ -948,9 +957,14 @@ class _Program:
         if self.compiled is not None:
             return self.compiled(*args)
         start = time.perf_counter()
-        if self.evaluate is None:
-            self.evaluate = numpy_evaluator(self.jaxpr)
-        out = self.evaluate(jax.tree_util.tree_leaves(args))
+        flat = jax.tree_util.tree_leaves(args)
+        try:
+            if self.evaluate is None:
+                self.evaluate = numpy_evaluator(self.jaxpr)
+            out = self.evaluate(flat)
+        except Exception:  # whatever the host cannot evaluate, XLA runs (and raises fn's own errors)
+            self.compiled = self._compile(flat)
+            return self.compiled(*args)
         self.spent += time.perf_counter() - start
         return jax.tree_util.tree_unflatten(self.out_tree, out)
 
