@@ -51,7 +51,12 @@ def binary(f, *pairs):
 
 FLOATS = (F, F.astype(np.float32), EMPTY)
 FLOAT_PAIRS = ((F, F[::-1]), (F.astype(np.float32), np.float32(1.5) * F[::-1].astype(np.float32)))
-INT_PAIRS = ((I32, I32_DIVISOR), (U8, U8[::-1]), (I32.astype(np.int64), I32_DIVISOR.astype(np.int64)))
+INT_PAIRS = (
+    (I32, I32_DIVISOR),
+    (I32, I32_DIVISOR[::-1]),  # INT_MIN and INT_MAX by other divisors
+    (U8, U8[::-1]),
+    (I32.astype(np.int64), I32_DIVISOR.astype(np.int64)),
+)
 
 CASES = {
     "neg": unary(lax.neg, F, I32, C),

@@ -976,9 +976,11 @@ class _Program:
         return lambda *args: jax.tree_util.tree_unflatten(out_tree, compiled(*jax.tree_util.tree_leaves(args)))
 
 
-# XLA's CPU compile time of checking programs, measured on the 2-core development machine
-# (JAX 0.10.2, _CPU_COMPILE_OPTIONS; benchmarks/gradcheck.py): a fixed part, plus a part per
-# jaxpr equation (sub-jaxprs' equations included).
+# What lowering and compiling a checking program costs on the CPU, in seconds: a fixed part plus
+# a part per jaxpr equation (sub-jaxprs' included). Fitted to programs measured on the 2-core
+# development machine (JAX 0.10.2, _CPU_COMPILE_OPTIONS): sin 47 equations 0.10 s, the tutorial's
+# LinearFunction 89 equations 0.09 s, entmax's bisection (benchmarks/gradcheck.py) at 5, 10, 20
+# and 50 steps 369, 624, 1134 and 2664 equations 0.24, 0.42, 0.76 and 2.2-2.5 s.
 _COMPILE_FIXED_S = 0.05
 _COMPILE_PER_EQUATION_S = 0.00075
 

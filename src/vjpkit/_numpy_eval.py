@@ -14,7 +14,7 @@ The key differences to ``jax.core.eval_jaxpr``:
 
 - Each primitive in ``TABLE`` is evaluated by NumPy with lax's semantics
   (strict dtypes, truncating integer division, saturating float-to-int
-  conversion, NaN-propagating max, XLA's total order in ``sort``, ...), so
+  conversion, NaN-propagating max, ``sort``'s order of -0.0 and NaN, ...), so
   no JAX dispatch and no per-primitive compile happens.
 - Call-like primitives (``jit``, ``closed_call``, ``remat``, custom
   derivative calls, ``cond``, ``while``, ``scan``) are evaluated through
@@ -68,13 +68,9 @@ def _div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.true_divide(x, y)
     zero = y == 0
     safe = np.where(zero, 1, y)
-    if x.dtype.kind == "i":
-        overflow = (x == np.iinfo(x.dtype).min) & (safe == -1)
-        safe = np.where(overflow, 1, safe)
-        q = np.abs(x) // np.abs(safe)  # C division: truncation, from magnitudes
-        q = np.where((x < 0) != (safe < 0), -q, q)
-    else:
-        q = x // safe
+    if x.dtype.kind == "i":  # INT_MIN / -1 overflows: divided by 1 instead, it is INT_MIN
+        safe = np.where((x == np.iinfo(x.dtype).min) & (safe == -1), 1, safe)
+    q = (x - np.fmod(x, safe)) // safe  # exact: x - fmod(x, y) is a multiple of y
     return np.where(zero, np.array(-1).astype(x.dtype), q)
 
 
@@ -526,11 +522,10 @@ class _Planner:
 
     def plan(self, jaxpr: Any, consts: Sequence = ()) -> _Plan:
         """A plan of a Jaxpr or a ClosedJaxpr."""
-        if hasattr(jaxpr, "consts"):
-            jaxpr, consts = jaxpr.jaxpr, jaxpr.consts
-        key = id(jaxpr)
+        key = id(jaxpr)  # a ClosedJaxpr's own id: two may share a Jaxpr with different constants
         if key not in self.plans:  # the jaxpr is kept alongside, so its id stays its own
-            self.plans[key] = (jaxpr, _Plan(jaxpr, consts, self))
+            inner, consts = (jaxpr.jaxpr, jaxpr.consts) if hasattr(jaxpr, "consts") else (jaxpr, consts)
+            self.plans[key] = (jaxpr, _Plan(inner, consts, self))
         return self.plans[key][1]
 
     def step(self, eqn: Any) -> Callable[[list], Sequence]:
