@@ -19,7 +19,7 @@ from jax.extend.core import primitives as P
 
 from vjpkit._gradcheck import _compile_lowered
 from vjpkit._jax_internals import enable_x64
-from vjpkit._numpy_eval import TABLE, numpy_evaluator
+from vjpkit._numpy_eval import _SUBJAXPR_RULES, TABLE, numpy_evaluator
 
 NAN, INF = np.nan, np.inf
 F = np.array([-2.5, -1.5, -0.5, -0.0, 0.0, 0.49999999999999994, 0.5, 1.5, 2.5, 3.7, NAN, INF, -INF])
@@ -292,6 +292,15 @@ def test_every_primitive_in_the_table_has_cases():
     assert {p.name for p in TABLE} <= set(CASES)
 
 
+# The primitives with sub-jaxprs that the tests at the end of this module evaluate.
+SUBJAXPR_TESTED = {"jit", "pjit", "cond", "while", "scan", "remat2", "custom_jvp_call", "custom_vjp_call",
+                   "custom_vjp_call_jaxpr", "closed_call", "call"}
+
+
+def test_every_primitive_evaluated_through_its_sub_jaxprs_is_tested():
+    assert {p.name for p in _SUBJAXPR_RULES} <= SUBJAXPR_TESTED
+
+
 @pytest.fixture(scope="module")
 def jax_results():
     """Every case's outputs from JAX, in one program compiled as gradcheck compiles its own (one compile
@@ -406,3 +415,20 @@ def test_constants_and_literal_outputs_are_evaluated():
     table = jnp.asarray(POS)
     _, fallbacks = evaluated(lambda x: (x + table, 2.0, x), POS)
     assert not fallbacks
+
+
+@pytest.mark.parametrize("call", ["closed_call", "call"])
+def test_call_primitives_are_evaluated_through_their_jaxprs(call):
+    # No public API emits these any more: a jit equation is turned into one.
+    with enable_x64(True):
+        closed = jax.make_jaxpr(lambda x: jax.jit(lambda v: jnp.sin(v) * v)(x) + 1.0)(POS)
+        (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+        inner = eqn.params["jaxpr"]
+        primitive = P.closed_call_p if call == "closed_call" else P.call_p
+        params = {"call_jaxpr": inner if call == "closed_call" else inner.jaxpr}
+        eqns = [e.replace(primitive=primitive, params=params) if e is eqn else e for e in closed.jaxpr.eqns]
+        changed = jax.extend.core.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
+        run = numpy_evaluator(changed)
+        (got,) = run([POS])
+    assert not run.fallbacks
+    np.testing.assert_allclose(got, np.sin(POS) * POS + 1.0, rtol=1e-15)

@@ -568,7 +568,7 @@ def _fallback_step(primitive: Any, params: dict) -> Callable[[list], Sequence]:
 
 
 def _call_rule(key: str) -> Callable:
-    """``jit``, ``closed_call``, ``core_call``, ``remat``: the sub-jaxpr on the operands."""
+    """``jit``, ``closed_call``, ``call``, ``remat``: the sub-jaxpr on the operands."""
 
     def rule(planner: _Planner, params: dict) -> Callable:
         return planner.plan(params[key])
@@ -642,7 +642,7 @@ def _subjaxpr_rules() -> dict[Any, Callable]:
         "jit": _call_rule("jaxpr"),
         "pjit": _call_rule("jaxpr"),  # the jit primitive's name in older JAX
         "closed_call": _call_rule("call_jaxpr"),
-        "core_call": _call_rule("call_jaxpr"),
+        "call": _call_rule("call_jaxpr"),  # core.call_p
         "remat2": _call_rule("jaxpr"),
         "custom_jvp_call": _custom_call_rule,
         "custom_vjp_call": _custom_call_rule,
