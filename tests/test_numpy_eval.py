@@ -190,7 +190,7 @@ CASES = {
         c(lambda x: lax.pad(x, 0.0, ((1, 1, 1), (0, 0, 0))), EMPTY),
     ],
     "reduce_sum": [
-        c(lambda x: lax.reduce_sum_p.bind(x, axes=(0, 2)), M),
+        c(lambda x: jnp.sum(x, (0, 2)), M),
         c(lambda x: jnp.sum(x, 0), EMPTY),
         c(lambda x: jnp.sum(x, dtype=np.int8), I32.astype(np.int8)),
         c(lambda x: jnp.sum(x, 0), C),

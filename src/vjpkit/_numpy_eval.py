@@ -578,8 +578,8 @@ def _call_rule(key: str) -> Callable:
 
 def _custom_call_rule(planner: _Planner, params: dict) -> Callable:
     """custom_jvp_call and custom_vjp_call: the primal function (custom rules only matter to AD)."""
-    jaxpr = params.get("call_jaxpr") or params.get("fun_jaxpr")  # fun_jaxpr: custom_vjp_call_jaxpr (JAX 0.4)
-    return planner.plan(jaxpr)
+    # custom_vjp_call_jaxpr (JAX before 0.6) names it fun_jaxpr; a KeyError makes the equation fall back.
+    return planner.plan(params["call_jaxpr"] if "call_jaxpr" in params else params["fun_jaxpr"])
 
 
 def _cond_rule(planner: _Planner, params: dict) -> Callable:
