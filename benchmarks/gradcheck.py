@@ -17,16 +17,23 @@ Jacobian.
    after a call its idle OpenMP threads keep spinning for a while, which
    would slow down whatever runs next in the same process. Speedups are
    ratios of medians.
-3. The first call in a fresh process, compilation included: each candidate
-   in its own subprocess (after imports and input creation), several times;
-   medians.
+3. The first call in a fresh process: each candidate in its own subprocess
+   (after imports and input creation), several times; medians. vjpkit's
+   first call traces its checking program and evaluates it with NumPy, op
+   by op, without compiling it (see 4.).
 4. A Python loop in ``fn``: entmax's bisection (``--bisection N``, default
    50 steps) in plain ``jnp`` on a 3x5 float64 input, against the same loop
-   in torch checked by ``torch.autograd.gradcheck`` (1 thread): the first
-   call in a fresh subprocess and the warm call. The check fails for both
-   (differentiating through a bisection is not its derivative); what is
-   timed is the work of checking and reporting. Target: vjpkit's first call
-   no slower than torch's.
+   in torch checked by ``torch.autograd.gradcheck`` (1 thread), each in a
+   fresh subprocess. The check fails for both (differentiating through a
+   bisection is not its derivative); what is timed is the work of checking
+   and reporting. Columns: the first call; a warm call (vjpkit: its checking
+   program evaluated with NumPy); for vjpkit, at which call its program is
+   compiled (once the evaluated runs have cost what compiling is estimated
+   to cost), how long that call takes, and a warm call of the compiled
+   program. Why vjpkit evaluates first: the loop unrolls into thousands of
+   equations and XLA's CPU compiler spends about a millisecond per kernel,
+   seconds in all, where one evaluation takes milliseconds. Target: vjpkit's
+   first call no slower than torch's, its warm calls far faster.
 
 Targets: warm full gradcheck >= 50x faster than torch slow mode; first call
 no slower than torch slow mode's; fast_mode no slower than torch's.
@@ -230,12 +237,8 @@ def main():
         call()
         return print(time.perf_counter() - start)
     if args.bisection_call:
-        call = bisection_checker(args.bisection_call, args.bisection)
-        start = time.perf_counter()
-        call()
-        first = time.perf_counter() - start
-        samples = time_interleaved([Candidate("warm", call, no_wait)], repeat=5, warmup=0)
-        return print(first, median(samples["warm"]))
+        return print(*bisection_calls(bisection_checker(args.bisection_call, args.bisection),
+                                      args.bisection_call == "vjpkit"))
     if args.warm:
         call = checker(args.warm)
         number = 1 if "slow" in args.warm else 100
@@ -289,23 +292,49 @@ def main():
                 warm_default["torch fast_mode"][0] / median(samples[fast]), 1)
 
 
+def bisection_calls(call, tiered):
+    """Seconds of: the first call, a warm call, and for vjpkit the calls until its program is compiled,
+    the call that compiles, and a compiled call. Printed by the subprocess of each run."""
+    start = time.perf_counter()
+    call()
+    first = time.perf_counter() - start
+    warm = median(time_interleaved([Candidate("warm", call, no_wait)], repeat=5, warmup=0)["warm"])
+    if not tiered:
+        return first, warm, 0, np.nan, np.nan
+    # Evaluated runs add up until they have cost what compiling is estimated to cost; the call that
+    # compiles stands out (many times a warm call).
+    calls, took = 6, 0.0  # the first call and the 5 warm ones
+    while calls < 5000 and took <= max(20 * warm, 0.02):
+        calls += 1
+        start = time.perf_counter()
+        call()
+        took = time.perf_counter() - start
+    compiled = median(time_interleaved([Candidate("compiled", call, no_wait)], repeat=5, warmup=1)["compiled"])
+    return first, warm, calls, took, compiled
+
+
 def bisection_table(n_iter, runs, with_torch):
-    """4.: first and warm call of each checker, each run in its own fresh process."""
+    """4.: first, warm and compiled calls of each checker, each run in its own fresh process."""
     kinds = [k for k in BISECTION if with_torch or k == "vjpkit"]
-    first, warm = {}, {}
+    results = {}
     for kind in kinds:
         for _ in range(runs):
             out = subprocess.run([sys.executable, __file__, "--bisection-call", kind, "--bisection", str(n_iter)],
                                  capture_output=True, text=True, check=True, env=os.environ)
-            f, w = (float(v) for v in out.stdout.split()[-2:])
-            first.setdefault(kind, []).append(f)
-            warm.setdefault(kind, []).append(w)
+            results.setdefault(kind, []).append([float(v) for v in out.stdout.split()[-5:]])
+    rows = []
+    for kind in kinds:
+        first, warm, calls, switch, compiled = (median(column) for column in zip(*results[kind], strict=True))
+        tiered = kind == "vjpkit"
+        rows.append((kind, f"{first:.2f}", f"{warm * 1e3:.1f}", f"{calls:.0f}" if tiered else "-",
+                     f"{switch:.2f}" if tiered else "-", f"{compiled * 1e3:.1f}" if tiered else "-"))
     print_table(f"entmax bisection, {n_iter} steps, 3x5 float64, gradcheck of the loop itself "
                 f"(each in a fresh process, {runs} processes; medians)",
-                ["checker", "first call s", "warm call ms"],
-                [(k, f"{median(first[k]):.2f}", f"{median(warm[k]) * 1e3:.1f}") for k in kinds])
+                ["checker", "first call s", "warm call ms", "compiled at call", "that call s", "compiled call ms"],
+                rows)
     if with_torch:
-        verdict("bisection first call vs torch's, 1 thread", median(first[BISECTION[1]]) / median(first["vjpkit"]), 1)
+        torch_first = median([r[0] for r in results[BISECTION[1]]])
+        verdict("bisection first call vs torch's, 1 thread", torch_first / median([r[0] for r in results["vjpkit"]]), 1)
 
 
 if __name__ == "__main__":

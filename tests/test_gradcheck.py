@@ -871,3 +871,68 @@ def test_gradgradcheck_of_once_differentiable_backward_raises_its_error():
 def test_gradgradcheck_raise_exception_false_returns_false():
     f = SIN_RIGHT_TO_FIRST_ORDER_ONLY
     assert vjpkit.gradgradcheck(f, (V,), raise_exception=False) is False
+
+
+# ---------------------------------------------------------------------------
+# The first runs of a checking program are evaluated with NumPy (no compile);
+# it is compiled once evaluating has cost what compiling would.
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """The checking programs gradcheck compiles, counted (from a clear cache)."""
+    from vjpkit import _gradcheck
+
+    vjpkit.clear_caches()
+    count = []
+    compile_lowered = _gradcheck._compile_lowered
+    monkeypatch.setattr(_gradcheck, "_compile_lowered", lambda lowered: count.append(1) or compile_lowered(lowered))
+    return count
+
+
+@pytest.fixture
+def compile_at_once(monkeypatch):
+    """Estimates compiling a checking program as free: the second run of a program compiles it."""
+    from vjpkit import _gradcheck
+
+    monkeypatch.setattr(_gradcheck, "_COMPILE_FIXED_S", 0.0)
+    monkeypatch.setattr(_gradcheck, "_COMPILE_PER_EQUATION_S", 0.0)
+
+
+def test_a_first_check_compiles_no_checking_program(compiles):
+    assert vjpkit.gradcheck(lambda x: jnp.sin(x) * x, (V,))
+    found = mismatches(MulWithWrongBackwardForY.apply, (V, V + 1.0))
+    assert [(m.mode, m.input) for m in found] == [("backward", "input 1")]
+    assert compiles == []
+
+
+def test_a_check_run_often_is_compiled_once_evaluating_costs_more(compiles, compile_at_once):
+    f = lambda x: jnp.tanh(x) * x  # noqa: E731
+    for _ in range(3):
+        assert vjpkit.gradcheck(f, (V,))
+    assert compiles == [1]
+
+
+def test_a_mismatch_reads_the_same_evaluated_and_compiled(compiles, compile_at_once):
+    first, second = (mismatches(MulWithWrongBackwardForY.apply, (V, V + 1.0)) for _ in range(2))
+    assert compiles == [1]
+    (a,), (b,) = first, second
+    assert (a.input_element, a.output_element, a.mismatched) == (b.input_element, b.output_element, b.mismatched)
+    np.testing.assert_allclose(a.numerical, b.numerical, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(a.analytical, b.analytical, rtol=1e-12, atol=1e-15)
+
+
+def test_a_check_calling_back_to_the_host_compiles_so_that_its_rerun_takes_the_same_path(compiles):
+    assert vjpkit.gradcheck(HostRowScale.apply, (X, W[0, :3]))
+    assert compiles == [1]
+
+
+def test_a_program_the_host_fails_to_evaluate_is_compiled_and_checked(compiles, monkeypatch):
+    from vjpkit import _gradcheck
+
+    def failing_evaluator(jaxpr):
+        raise NotImplementedError("an equation the evaluator cannot handle")
+
+    monkeypatch.setattr(_gradcheck, "numpy_evaluator", failing_evaluator)
+    assert vjpkit.gradcheck(lambda x: jnp.sin(x) * x, (V,))
+    assert compiles == [1]

@@ -20,9 +20,18 @@ report, not in what is checked:
 
 - All one-hot output cotangents go through one ``vmap`` of the VJP, and all
   central-difference perturbations through one ``vmap`` of ``fn``, inside a
-  single jitted program that also compares the two Jacobians. The compiled
-  program is cached per (function, input signature, options), so a second
-  check of the same function runs only that program.
+  single traced program that also compares the two Jacobians. The program
+  is cached per (function, input signature, options), so a second check of
+  the same function runs only that program.
+- The first runs of that program are evaluated on the host, op by op with
+  NumPy, without compiling it: XLA's CPU compiler spends about a
+  millisecond per kernel, so a ``fn`` with a Python loop (which unrolls into
+  thousands of equations) would take seconds to compile for a check that
+  takes milliseconds to evaluate. Once the evaluations have cost as much
+  as compiling is estimated to, the program is compiled and runs compiled
+  from then on, so a check run thousands of times (hypothesis) pays the
+  compile once. On an accelerator, and when ``fn`` calls back to the host,
+  the program is compiled at once.
 - The work runs in float64 with ``jax_enable_x64`` switched on for
   gradcheck's own calls only (JAX's thread-local context), whatever the
   process-wide setting. Float32 inputs are cast, with a warning.
@@ -54,6 +63,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -63,10 +73,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import jaxpr_as_fun
 
 from . import _jax_internals
 from ._caches import on_clear
 from ._ctx import is_array
+from ._numpy_eval import numpy_evaluator
 from ._tree import Partition, partition, static_key
 
 # Largest batch of perturbed inputs (or one-hot cotangents) vmapped at once,
@@ -845,11 +857,8 @@ def _has_host_calls(jaxpr: Any) -> bool:
         name = eqn.primitive.name
         if "callback" in name or name == "ffi_call":
             return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns") and _has_host_calls(sub):
-                    return True
+        if any(_has_host_calls(sub) for sub in _sub_jaxprs(eqn)):
+            return True
     return False
 
 
@@ -869,9 +878,9 @@ class _Checker:
         self.split = split
         self.inputs = _input_ports(split, diff)
         self.outputs: list[_Port] = []  # fn's differentiable outputs (known after the first trace)
-        # report variant or not -> (compiled program, what its trace recorded): the
+        # report variant or not -> (program, what its trace recorded): the
         # variants record their summary rows in different orders.
-        self._variants: dict[bool, tuple[Callable, _Notes]] = {}
+        self._variants: dict[bool, tuple[_Program, _Notes]] = {}
         self.forward_unavailable: BaseException | None = None  # why fn has no forward mode
         self.forward_undefined_errors: dict[int, BaseException] = {}  # input alone -> jvp's error
         self.directions: tuple = ()  # fast mode's (us, vs)
@@ -883,11 +892,11 @@ class _Checker:
         args = (tuple(diff), tuple(fixed), _Numbers.of(tol))
         variant = self._variants.get(report)
         if variant is None:
-            variant = self._variants[report] = self._compile(fn, args, report)
-        compiled, notes = variant
-        return compiled(*args, self.directions), notes
+            variant = self._variants[report] = self._trace(fn, args, report)
+        program, notes = variant
+        return program(*args, self.directions), notes
 
-    def _compile(self, fn: Callable, args: tuple, report: bool) -> tuple[Callable, _Notes]:
+    def _trace(self, fn: Callable, args: tuple, report: bool) -> tuple[_Program, _Notes]:
         if not self._variants:  # the first program: learn what fn supports
             fixed = args[1]
             probe = _evaluator(fn, self.split, self.inputs, _Notes())
@@ -905,11 +914,98 @@ class _Checker:
         evaluate = _evaluator(fn, self.split, self.inputs, notes)
         program = _build_program(evaluate, options, notes, report, frozenset(self.forward_undefined_errors))
         traced = program.trace(*args, self.directions)
+        host_calls = _has_host_calls(traced.jaxpr.jaxpr)
         if not report:
-            self.rerun = jax.default_backend() != "cpu" or _has_host_calls(traced.jaxpr)
+            self.rerun = jax.default_backend() != "cpu" or host_calls
         self.outputs = notes.outputs
         notes.detach()
-        return _compile_lowered(traced.lower()), notes
+        # Evaluated on the host only where that is the same computation as the compiled program's,
+        # run for run: on the CPU, and without callbacks or effects, which a rerun must see take
+        # the same path (two runs compared under nondet_tol must not differ by rounding alone).
+        evaluable = jax.default_backend() == "cpu" and not host_calls and not traced.jaxpr.effects
+        return _Program(traced, evaluable), notes
+
+
+class _Program:
+    """A traced checking program, run by the cheaper of evaluating it and compiling it.
+
+    The first runs evaluate the jaxpr op by op with NumPy (``_numpy_eval``):
+    no lowering, no compile, where XLA's CPU compiler costs about a
+    millisecond per kernel. Once the time spent evaluating exceeds what
+    compiling is estimated to cost, the program is compiled and runs
+    compiled from then on (the ski-rental rule: the total stays within about
+    twice the best choice in hindsight, whether a check runs once or
+    thousands of times).
+    """
+
+    def __init__(self, traced: Any, evaluable: bool):
+        self.compiled: Callable | None = None
+        self.jaxpr: Any = None  # the program, kept only until compiled (it holds fn's constants)
+        self.evaluate: Callable | None = None
+        self.spent = 0.0  # seconds spent evaluating
+        self.budget = 0.0
+        self.out_tree = jax.tree_util.tree_structure(traced.out_info, is_leaf=lambda x: hasattr(x, "shape"))
+        if evaluable:
+            self.jaxpr = traced.jaxpr
+            self.budget = _compile_estimate(traced.jaxpr.jaxpr)
+        else:
+            self.compiled = _compile_lowered(traced.lower())
+
+    def __call__(self, *args: Any) -> _Output:
+        if self.compiled is None and self.spent >= self.budget:
+            self.compiled = self._compile(jax.tree_util.tree_leaves(args))
+        if self.compiled is not None:
+            return self.compiled(*args)
+        start = time.perf_counter()
+        flat = jax.tree_util.tree_leaves(args)
+        try:
+            if self.evaluate is None:
+                self.evaluate = numpy_evaluator(self.jaxpr)
+            out = self.evaluate(flat)
+        except Exception:  # whatever the host cannot evaluate, XLA runs (and raises fn's own errors)
+            self.compiled = self._compile(flat)
+            return self.compiled(*args)
+        self.spent += time.perf_counter() - start
+        return jax.tree_util.tree_unflatten(self.out_tree, out)
+
+    def _compile(self, flat: list) -> Callable:
+        """Compiles the jaxpr (not the Traced, whose lowering may hold on to fn), and lets it go."""
+        compiled = _compile_lowered(jax.jit(jaxpr_as_fun(self.jaxpr)).lower(*flat))
+        self.jaxpr = self.evaluate = None
+        out_tree = self.out_tree
+        return lambda *args: jax.tree_util.tree_unflatten(out_tree, compiled(*jax.tree_util.tree_leaves(args)))
+
+
+# What lowering and compiling a checking program costs on the CPU, in seconds: a fixed part plus
+# a part per jaxpr equation (sub-jaxprs' included). Fitted to programs measured on the 2-core
+# development machine (JAX 0.10.2, _CPU_COMPILE_OPTIONS): sin 47 equations 0.10 s, the tutorial's
+# LinearFunction 89 equations 0.09 s, entmax's bisection (benchmarks/gradcheck.py) at 5, 10, 20
+# and 50 steps 369, 624, 1134 and 2664 equations 0.24, 0.42, 0.76 and 2.2-2.5 s.
+_COMPILE_FIXED_S = 0.05
+_COMPILE_PER_EQUATION_S = 0.00075
+
+
+def _compile_estimate(jaxpr: Any) -> float:
+    return _COMPILE_FIXED_S + _COMPILE_PER_EQUATION_S * _count_equations(jaxpr)
+
+
+def _count_equations(jaxpr: Any) -> int:
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += 1
+        for sub in _sub_jaxprs(eqn):
+            count += _count_equations(sub)
+    return count
+
+
+def _sub_jaxprs(eqn: Any) -> list:
+    found = []
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns"):
+                found.append(sub)
+    return found
 
 
 def _compile_lowered(lowered: Any) -> Callable:

@@ -582,3 +582,15 @@ _UNMAPPED_AVAL_TAKES_AXIS_NAME = "axis_name" in _unmapped_aval.__code__.co_varna
 # later); before, vjpkit cannot name the class when jax.linearize reaches a
 # backward-only Function, and JAX's own "can't apply forward-mode" error stands.
 LINEARIZE_IS_TOLD_FROM_VJP = LINEARIZE_KEEPS_ORDERED_EFFECTS
+
+
+# ---------------------------------------------------------------------------
+# Call primitives that jax.extend.core.primitives lacks in some supported JAX
+# (_numpy_eval.py evaluates them through their sub-jaxprs).
+
+_pjit = _require_module("jax._src.pjit")
+# JAX 0.7 and later: ``jit_p`` (named "jit"); JAX 0.4.38 to 0.6: ``pjit_p`` (named "pjit").
+_jit_primitive = getattr(_pjit, "jit_p", None) or _require(_pjit, "pjit_p", "jax._src.pjit")
+# ``remat_p`` (named "remat2") is in jax._src.ad_checkpoint in every supported JAX, public only in newer ones.
+_remat_primitive = _require(_require_module("jax._src.ad_checkpoint"), "remat_p", "jax._src.ad_checkpoint")
+CALL_PRIMITIVES = (_jit_primitive, _remat_primitive)
