@@ -14,8 +14,8 @@ primal, forward and backward rules run the user's methods, and one
 
 from __future__ import annotations
 
-import collections
 import operator
+import struct
 import threading
 import warnings
 import weakref
@@ -162,13 +162,18 @@ _SHAPES_PER_PROGRAM = 16
 class _Entry:
     """A cached program, its jit (None for ``jit = False``), and the call shapes routed to it."""
 
-    __slots__ = ("key", "program", "jitted", "routes")
+    __slots__ = ("key", "program", "jitted", "routes", "used")
 
     def __init__(self, key: Any, program: _Program, jitted: Callable | None):
         self.key = key  # the program's key in _Cache.programs
         self.program = program
         self.jitted = jitted
         self.routes: list[tuple] = []  # where each call shape routed here is remembered (see _Cache.route)
+        self.used = 0  # the number of the last call that ran it (_Cache.calls): the least recent is dropped
+
+
+def _last_used(entry: _Entry) -> int:
+    return entry.used
 
 
 class _CallShape:
@@ -176,17 +181,32 @@ class _CallShape:
 
     ``nested``: some argument is a pytree, so the shape depends on its
     structure: ``routes`` maps structure and leaf types to the inner shape.
-    Otherwise the arguments are the leaves, and ``routes`` maps the keys of
-    the static ones (at ``static_at``) to ``(entry, pick)``, ``pick`` taking
-    the program's arrays out of the leaves (None: all the leaves, in order).
+    Otherwise the arguments are the leaves, and ``routes`` maps the key of
+    the static leaves (``keyer(leaves)``; ``()`` when there are none) to
+    ``(entry, pick)``, ``pick`` taking the program's arrays out of the leaves
+    (None: all the leaves, in order). ``route`` is that route when the shape
+    alone fixes it (no static leaf), so such a call reads one table.
     """
 
-    __slots__ = ("nested", "static_at", "routes")
+    __slots__ = ("route", "nested", "keyer", "routes")
 
-    def __init__(self, nested: bool, static_at: tuple[int, ...] = ()):
+    def __init__(self, nested: bool, keyer: Callable[[Any], Any] | None = None):
+        self.route: tuple | None = None
         self.nested = nested
-        self.static_at = static_at
+        self.keyer = keyer
         self.routes: dict = {}
+
+    def add(self, statics: Any, route: tuple) -> None:
+        self.routes[statics] = route
+        if self.keyer is None:
+            self.route = route
+
+    def remove(self, statics: Any) -> None:
+        del self.routes[statics]
+        self.route = None
+
+
+_UNSEEN = _CallShape(False)  # what apply finds for a call shape not (or no longer) routed
 
 
 class _Argument:
@@ -200,7 +220,7 @@ class _Argument:
 
 def _picker(picked: list[int], constants: list, n_leaves: int) -> Callable[[Any], Any] | None:
     """The call's leaves -> the program's arrays (``picked`` indexes the leaves, then ``constants``)."""
-    if constants:
+    if any(i >= n_leaves for i in picked):  # an array default: appended to the call's leaves
         take = _picker(picked, [], n_leaves + len(constants)) or list
         return lambda leaves: take([*leaves, *constants])
     if picked == list(range(n_leaves)):
@@ -211,9 +231,43 @@ def _picker(picked: list[int], constants: list, n_leaves: int) -> Callable[[Any]
     return operator.itemgetter(*picked) if picked else lambda leaves: ()
 
 
+# Static leaf types whose values key themselves: equal values are the same static
+# value (the call shape already tells their types apart, so 1, 1.0 and True differ).
+_KEYED_BY_EQUALITY = frozenset({int, bool, str, bytes})
+_FLOAT_BITS = struct.Struct("<d").pack  # floats by their bits: -0.0 is not 0.0, and nan equals itself
+
+
+def _keyer(leaves: Any, static_at: tuple[int, ...]) -> Callable[[Any], Any] | None:
+    """The call's leaves -> the key of its static leaves (by value); None when there are none.
+
+    Chosen once per call shape, which fixes the static leaves' types. The
+    general key (``static_key``) may raise ``Unkeyable``; ``apply`` then
+    takes the slow path, which says why.
+    """
+    if not static_at:
+        return None
+    kinds = {type(leaves[i]) for i in static_at}
+    if kinds <= _KEYED_BY_EQUALITY:
+        return operator.itemgetter(*static_at)
+    if len(static_at) == 1:
+        (i,) = static_at
+        if kinds == {float}:
+            return lambda leaves: _FLOAT_BITS(leaves[i])
+        return lambda leaves: static_key(leaves[i], True)
+    get = operator.itemgetter(*static_at)
+    return lambda leaves: tuple(map(_static_key_by_value, get(leaves)))
+
+
+def _static_key_by_value(value: Any) -> Any:
+    return static_key(value, True)
+
+
 def _call_leaves(args: tuple, kwargs: dict) -> tuple:
     """The arguments in call-shape order: positional, then keywords as given."""
     return (*args, *kwargs.values()) if kwargs else args
+
+
+_flatten = jax.tree_util.default_registry.flatten  # tree_flatten without its Python frame
 
 
 def _is_pytree(x: Any) -> bool:
@@ -225,11 +279,11 @@ class _Cache:
 
     def __init__(self, spec: Spec):
         self.spec = spec
-        self.programs: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
+        self.programs: dict[Any, _Entry] = {}
         # Argument types and keyword names -> _CallShape; the second table is for calls under detect_anomaly.
         self.shapes: tuple[dict, dict] = ({}, {})
         self.lock = threading.Lock()
-        self.hits = 0
+        self.calls = 0  # calls that ran a program (apply counts them without the lock: a count, not an id)
         self.misses = 0
         _CACHES.add(self)
 
@@ -250,23 +304,24 @@ class _Cache:
         layout, _ = spec.partition_arguments(values)
         key = ("detect_anomaly", layout.key) if anomaly else layout.key
         leaves: Any = _call_leaves(args, kwargs)
-        path: list[Any] = [(self.shapes[anomaly], (*map(type, args), *kwargs))]  # (table, key) down to the route
+        path: list[Any] = [(self.shapes[anomaly], (*map(type, leaves), *kwargs))]  # (table, key) down to the route
         nested = any(map(_is_pytree, leaves))
         if nested:
-            leaves, treedef = jax.tree_util.tree_flatten(leaves)
+            leaves, treedef = _flatten(leaves)
             path.append((None, (treedef, *map(type, leaves))))
         pick = self._pick(args, kwargs, layout, len(leaves))
         with self.lock:
+            self.calls += 1
             entry = self.programs.get(key)
             if entry is None:
                 self.misses += 1
                 program = _Program(spec, layout, len(values), anomaly)
                 entry = self.programs[key] = _Entry(key, program, program.jit() if spec.jit else None)
+                entry.used = self.calls
                 while len(self.programs) > spec.cache_size:
-                    self._forget_routes(self.programs.popitem(last=False)[1])
+                    self._forget_routes(self.programs.pop(min(self.programs.values(), key=_last_used).key))
             else:
-                self.hits += 1
-                self.programs.move_to_end(key)
+                entry.used = self.calls
             table, (_, shape_key) = path[0][0], path[0]
             shape = table.get(shape_key)
             if shape is None:
@@ -277,11 +332,11 @@ class _Cache:
                 if shape is None:
                     shape = table[shape_key] = _CallShape(False)
                 path[1] = (table, shape_key)
-            if not shape.routes:
-                shape.static_at = tuple(i for i, x in enumerate(leaves) if not is_array(x))
-            statics = tuple(static_key(leaves[i], True) for i in shape.static_at)
-            shape.routes[statics] = (entry, pick)
-            entry.routes.append((*path, (shape.routes, statics)))
+            if shape.keyer is None and not shape.routes:  # the leaf types fix which leaves are static
+                shape.keyer = _keyer(leaves, tuple(i for i, x in enumerate(leaves) if not is_array(x)))
+            statics = () if shape.keyer is None else shape.keyer(leaves)
+            shape.add(statics, (entry, pick))
+            entry.routes.append((*path, (shape, statics)))
             if len(entry.routes) > _SHAPES_PER_PROGRAM:
                 self._forget_route(entry, entry.routes.pop(0))
         return entry, pick, leaves
@@ -316,10 +371,10 @@ class _Cache:
     @staticmethod
     def _forget_route(entry: _Entry, path: tuple) -> None:
         """Removes a route (its path of (table, key) pairs), and the shapes it leaves empty."""
-        routes, statics = path[-1]
-        if routes.get(statics, (None,))[0] is not entry:
+        shape, statics = path[-1]
+        if shape.routes.get(statics, (None,))[0] is not entry:
             return
-        del routes[statics]
+        shape.remove(statics)
         for table, key in reversed(path[:-1]):
             shape = table.get(key)
             if shape is None or shape.routes:
@@ -328,7 +383,7 @@ class _Cache:
 
     def info(self) -> CacheInfo:
         with self.lock:
-            return CacheInfo(len(self.programs), self.spec.cache_size, self.hits, self.misses)
+            return CacheInfo(len(self.programs), self.spec.cache_size, self.calls - self.misses, self.misses)
 
 
 _CACHES: weakref.WeakSet[_Cache] = weakref.WeakSet()  # every Function's, while its class lives
@@ -364,43 +419,35 @@ def _reraise(spec: Spec, program: _Program, e: Exception) -> None:
         _anomaly.reraise_anomaly(e)
 
 
-def _statics(leaves: Any, static_at: tuple) -> Any:
-    """The key of a call's static leaves (by value); None when one cannot be keyed (the slow path says why)."""
-    if not static_at:
-        return ()
-    try:
-        return tuple([static_key(leaves[i], True) for i in static_at])
-    except Unkeyable:
-        return None
-
-
 def _make_apply(cache: _Cache) -> Callable:
     spec = cache.spec
     shapes = cache.shapes
-    programs = cache.programs
     active = _anomaly.ACTIVE  # [number of open detect_anomaly blocks, in all threads]
     anomaly_enabled = _anomaly.enabled
-    flatten = jax.tree_util.tree_flatten
+    flatten = _flatten
     current_trace = _jax_internals.current_trace
     EvalTrace = _jax_internals.EvalTrace
+    unseen = _UNSEEN
 
     def apply(*args: Any, **kwargs: Any) -> Any:
-        shape = shapes[active[0] and anomaly_enabled()].get((*map(type, args), *kwargs))
         leaves: Any = (*args, *kwargs.values()) if kwargs else args
-        if shape is not None and shape.nested:  # pytree arguments: their structure and leaf types
-            leaves, treedef = flatten(leaves)
-            shape = shape.routes.get((treedef, *map(type, leaves)))
-        route = None if shape is None else shape.routes.get(_statics(leaves, shape.static_at))
+        shape = shapes[active[0] and anomaly_enabled()].get((*map(type, leaves), *kwargs), unseen)
+        route = shape.route
+        if route is None and shape.routes:  # a pytree argument or a static leaf: the route lies deeper
+            if shape.nested:  # by the pytrees' structure and leaf types
+                leaves, treedef = flatten(leaves)
+                shape = shape.routes.get((treedef, *map(type, leaves)), unseen)
+                route = shape.route
+            if route is None and shape.keyer is not None:  # by the static leaves' values
+                try:
+                    route = shape.routes.get(shape.keyer(leaves))
+                except Unkeyable:  # the slow path says why
+                    pass
         if route is None:
             entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
         else:
             entry, pick = route
-            try:
-                programs.move_to_end(entry.key)
-            except KeyError:  # another thread dropped the program just now
-                entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
-            else:
-                cache.hits += 1
+            cache.calls = entry.used = cache.calls + 1
         arrays = leaves if pick is None else pick(leaves)
         try:
             if entry.jitted is not None and type(current_trace.value) is EvalTrace:
