@@ -176,3 +176,14 @@ def test_negative_zero_among_several_static_arguments_does_not_reuse_the_program
     assert (Shift.apply(ones, "add", 1, 0.0) == jnp.inf).all()
     info = Shift.cache_info()
     assert (info.programs, info.hits, info.misses) == (2, 1, 2)
+
+
+def test_complex_static_arguments_differing_in_the_sign_of_a_zero_part_are_distinct_and_each_hits():
+    Reciprocal = _reciprocal()
+    ones = jnp.ones(2, jnp.complex64)
+    for _ in range(2):
+        np.testing.assert_allclose(Reciprocal.apply(ones, complex(0.0, 2.0)), [-0.5j, -0.5j])
+        np.testing.assert_allclose(Reciprocal.apply(ones, complex(-0.0, 2.0)), [-0.5j, -0.5j])
+    np.testing.assert_allclose(Reciprocal.apply(ones, complex(1.0, 1.0)), [0.5 - 0.5j, 0.5 - 0.5j])
+    info = Reciprocal.cache_info()
+    assert (info.programs, info.hits, info.misses) == (3, 2, 3)

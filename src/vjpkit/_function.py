@@ -15,7 +15,6 @@ primal, forward and backward rules run the user's methods, and one
 from __future__ import annotations
 
 import operator
-import struct
 import threading
 import warnings
 import weakref
@@ -194,16 +193,68 @@ class _CallShape:
         self.route: tuple | None = None
         self.nested = nested
         self.keyer = keyer
-        self.routes: dict = {}
+        self.routes = _Routes()
 
     def add(self, statics: Any, route: tuple) -> None:
-        self.routes[statics] = route
+        self.routes.put(statics, route)
         if self.keyer is None:
             self.route = route
 
     def remove(self, statics: Any) -> None:
-        del self.routes[statics]
+        self.routes.drop(statics)
         self.route = None
+
+
+class _Routes(dict):
+    """Routes by the key of the static leaves: ``routes[key]`` is the route, or None.
+
+    Keys of plain values (``int``, ``str``, ``float``, ...) are the values
+    themselves, which are equal when the static values are the same, but
+    for floats: ``0.0 == -0.0``, and ``nan`` is not equal to itself. A key
+    holding a zero or nan float (or complex) is kept by ``static_key``, which
+    tells them apart by their bits, in ``exact``; a lookup that finds no
+    equal key reads it there.
+    """
+
+    __slots__ = ("exact",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exact: dict = {}
+
+    def __missing__(self, key: Any) -> tuple | None:
+        return self.exact.get(_exact_key(key)) if self.exact else None
+
+    def put(self, key: Any, route: Any) -> None:
+        if _ambiguous(key):
+            self.exact[_exact_key(key)] = route
+        else:
+            self[key] = route
+
+    def drop(self, key: Any) -> None:
+        if _ambiguous(key):
+            del self.exact[_exact_key(key)]
+        else:
+            del self[key]
+
+    def __bool__(self) -> bool:
+        return bool(len(self) or self.exact)
+
+
+def _exact_key(key: Any) -> Any:
+    # A key of several static leaves is a tuple (a single leaf is never one: tuples are pytrees).
+    return tuple(map(_static_key_by_value, key)) if type(key) is tuple else static_key(key, True)
+
+
+def _ambiguous(key: Any) -> bool:
+    """Whether ``key`` holds a float or complex that equals another of other bits (zeros) or not itself (nan)."""
+    for value in key if type(key) is tuple else (key,):
+        kind = type(value)
+        if kind is float and (value != value or value == 0):
+            return True
+        if kind is complex and (value != value or value.real == 0 or value.imag == 0):
+            return True
+    return False
 
 
 _UNSEEN = _CallShape(False)  # what apply finds for a call shape not (or no longer) routed
@@ -225,16 +276,17 @@ def _picker(picked: list[int], constants: list, n_leaves: int) -> Callable[[Any]
         return lambda leaves: take([*leaves, *constants])
     if picked == list(range(n_leaves)):
         return None
-    if len(picked) == 1:
-        (i,) = picked
-        return lambda leaves: (leaves[i],)
-    return operator.itemgetter(*picked) if picked else lambda leaves: ()
+    if not picked:
+        return operator.itemgetter(slice(0, 0))
+    first, last = picked[0], picked[-1]
+    if picked == list(range(first, last + 1)):  # a run of the leaves (one, at least): a slice
+        return operator.itemgetter(slice(first, last + 1))
+    return operator.itemgetter(*picked)  # two or more: a tuple
 
 
 # Static leaf types whose values key themselves: equal values are the same static
 # value (the call shape already tells their types apart, so 1, 1.0 and True differ).
-_KEYED_BY_EQUALITY = frozenset({int, bool, str, bytes})
-_FLOAT_BITS = struct.Struct("<d").pack  # floats by their bits: -0.0 is not 0.0, and nan equals itself
+_KEYED_BY_EQUALITY = frozenset({int, bool, str, bytes, float, complex})  # floats: see _Routes
 
 
 def _keyer(leaves: Any, static_at: tuple[int, ...]) -> Callable[[Any], Any] | None:
@@ -251,8 +303,6 @@ def _keyer(leaves: Any, static_at: tuple[int, ...]) -> Callable[[Any], Any] | No
         return operator.itemgetter(*static_at)
     if len(static_at) == 1:
         (i,) = static_at
-        if kinds == {float}:
-            return lambda leaves: _FLOAT_BITS(leaves[i])
         return lambda leaves: static_key(leaves[i], True)
     get = operator.itemgetter(*static_at)
     return lambda leaves: tuple(map(_static_key_by_value, get(leaves)))
@@ -372,7 +422,7 @@ class _Cache:
     def _forget_route(entry: _Entry, path: tuple) -> None:
         """Removes a route (its path of (table, key) pairs), and the shapes it leaves empty."""
         shape, statics = path[-1]
-        if shape.routes.get(statics, (None,))[0] is not entry:
+        if (shape.routes[statics] or (None,))[0] is not entry:
             return
         shape.remove(statics)
         for table, key in reversed(path[:-1]):
@@ -433,14 +483,14 @@ def _make_apply(cache: _Cache) -> Callable:
         leaves: Any = (*args, *kwargs.values()) if kwargs else args
         shape = shapes[active[0] and anomaly_enabled()].get((*map(type, leaves), *kwargs), unseen)
         route = shape.route
-        if route is None and shape.routes:  # a pytree argument or a static leaf: the route lies deeper
+        if route is None:  # a pytree argument or a static leaf: the route lies deeper (or a new call shape)
             if shape.nested:  # by the pytrees' structure and leaf types
                 leaves, treedef = flatten(leaves)
                 shape = shape.routes.get((treedef, *map(type, leaves)), unseen)
                 route = shape.route
             if route is None and shape.keyer is not None:  # by the static leaves' values
                 try:
-                    route = shape.routes.get(shape.keyer(leaves))
+                    route = shape.routes[shape.keyer(leaves)]
                 except Unkeyable:  # the slow path says why
                     pass
         if route is None:
