@@ -14,6 +14,7 @@ primal, forward and backward rules run the user's methods, and one
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 import warnings
@@ -68,9 +69,15 @@ class _Program(Program):
         # program that referred to its jit would keep that jit's cache key (and
         # compiled executables) alive after vjpkit's cache dropped it.
 
-    def jit(self) -> Callable:
-        """A new ``jax.jit`` of the program (one per cache entry)."""
-        return jax.jit(_named(self._jit_body, self.spec.name))
+    def jit(self) -> tuple[Callable, Callable]:
+        """New ``jax.jit``s of the program (one pair per cache entry): for calls on tracers, and on arrays.
+
+        The second inlines when an outer jit traces (a call on closed-over
+        arrays); the first keeps backward in a program of its own under
+        eager ``jax.grad`` (backward sees tracers, as everywhere else).
+        """
+        body = _named(self._jit_body, self.spec.name)
+        return jax.jit(body), jax.jit(body, inline=True)
 
     def _jit_body(self, *arrays: Any) -> Any:
         packed = self.differentiable(*arrays)
@@ -159,14 +166,16 @@ _SHAPES_PER_PROGRAM = 16
 
 
 class _Entry:
-    """A cached program, its jit (None for ``jit = False``), and the call shapes routed to it."""
+    """A cached program, its jits, and the call shapes routed to it."""
 
-    __slots__ = ("key", "program", "jitted", "routes", "used")
+    __slots__ = ("key", "program", "jitted", "on_arrays", "routes", "used")
 
-    def __init__(self, key: Any, program: _Program, jitted: Callable | None):
+    def __init__(self, key: Any, program: _Program, jits: tuple[Callable, Callable] | None):
         self.key = key  # the program's key in _Cache.programs
         self.program = program
-        self.jitted = jitted
+        # Its jits (None for ``jit = False``): for calls on tracers, and on concrete arrays.
+        self.jitted: Callable | None = jits[0] if jits else None
+        self.on_arrays: Callable | None = jits[1] if jits else None
         self.routes: list[tuple] = []  # where each call shape routed here is remembered (see _Cache.route)
         self.used = 0  # the number of the last call that ran it (_Cache.calls): the least recent is dropped
 
@@ -182,8 +191,9 @@ class _CallShape:
     structure: ``routes`` maps structure and leaf types to the inner shape.
     Otherwise the arguments are the leaves, and ``routes`` maps the key of
     the static leaves (``keyer(leaves)``; ``()`` when there are none) to
-    ``(entry, pick)``, ``pick`` taking the program's arrays out of the leaves
-    (None: all the leaves, in order). ``route`` is that route when the shape
+    ``(entry, pick, run)``, ``pick`` taking the program's arrays out of the
+    leaves (None: all the leaves, in order) and ``run`` running the program
+    on them (its jit, or ``_run_in_trace`` for calls on tracers). ``route`` is that route when the shape
     alone fixes it (no static leaf), so such a call reads one table.
     """
 
@@ -344,10 +354,10 @@ class _Cache:
             for table in self.shapes:
                 table.clear()
 
-    def route(self, args: tuple, kwargs: dict, anomaly: bool) -> tuple[_Entry, Callable | None, Any]:
+    def route(self, args: tuple, kwargs: dict, anomaly: bool) -> tuple[tuple, Any]:
         """For a call of a new shape: binds it, finds (or makes) its program, and remembers the route.
 
-        Returns the entry, the pick and the call's leaves.
+        Returns the route (entry, pick, run) and the call's leaves.
         """
         spec = self.spec
         values = spec.signature.bind(args, kwargs)
@@ -385,11 +395,14 @@ class _Cache:
             if shape.keyer is None and not shape.routes:  # the leaf types fix which leaves are static
                 shape.keyer = _keyer(leaves, tuple(i for i, x in enumerate(leaves) if not is_array(x)))
             statics = () if shape.keyer is None else shape.keyer(leaves)
-            shape.add(statics, (entry, pick))
+            # On concrete arrays, the jit (it inlines if an outer jit traces); on tracers, _run_in_trace.
+            on_tracers = entry.jitted is None or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+            route = (entry, pick, functools.partial(_run_in_trace, entry) if on_tracers else entry.on_arrays)
+            shape.add(statics, route)
             entry.routes.append((*path, (shape, statics)))
             if len(entry.routes) > _SHAPES_PER_PROGRAM:
                 self._forget_route(entry, entry.routes.pop(0))
-        return entry, pick, leaves
+        return route, leaves
 
     def _pick(self, args: tuple, kwargs: dict, layout: Partition, n_leaves: int) -> Callable[[Any], Any] | None:
         """Which of the call's leaves are the program's arrays: binds the call shape once, with stand-ins."""
@@ -445,8 +458,8 @@ def _clear_function_caches() -> None:
         cache.clear()
 
 
-def _run_in_trace(entry: _Entry, arrays: Any) -> Any:
-    """A call while JAX traces (or of a ``jit = False`` class)."""
+def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
+    """A call on tracers (or of a ``jit = False`` class)."""
     spec = entry.program.spec
     if spec.jvp is None and _jax_internals.linearizing():  # JAX may reuse a forward rule traced for reverse mode
         raise _no_forward_mode(spec)
@@ -475,8 +488,6 @@ def _make_apply(cache: _Cache) -> Callable:
     active = _anomaly.ACTIVE  # [number of open detect_anomaly blocks, in all threads]
     anomaly_enabled = _anomaly.enabled
     flatten = _flatten
-    current_trace = _jax_internals.current_trace
-    EvalTrace = _jax_internals.EvalTrace
     unseen = _UNSEEN
 
     def apply(*args: Any, **kwargs: Any) -> Any:
@@ -494,16 +505,13 @@ def _make_apply(cache: _Cache) -> Callable:
                 except Unkeyable:  # the slow path says why
                     pass
         if route is None:
-            entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
+            route, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
+            entry, pick, run = route
         else:
-            entry, pick = route
+            entry, pick, run = route
             cache.calls = entry.used = cache.calls + 1
-        arrays = leaves if pick is None else pick(leaves)
         try:
-            if entry.jitted is not None and type(current_trace.value) is EvalTrace:
-                out = entry.jitted(*arrays)
-            else:
-                out = _run_in_trace(entry, arrays)
+            out = run(*(leaves if pick is None else pick(leaves)))
         except Exception as e:
             _reraise(spec, entry.program, e)
             raise
