@@ -392,3 +392,12 @@ def test_keyword_argument_passed_as_an_array_then_as_a_tuple_binds_the_tuple():
     chex.assert_trees_all_close(AddAll.apply(X, c=jnp.float32(1.0)), X + 1.0)
     chex.assert_trees_all_close(AddAll.apply(X, c=(jnp.float32(1.0), jnp.float32(2.0))), X + 3.0)
     assert AddAll.cache_info().programs == 2
+
+
+def test_call_on_closed_over_arrays_inside_linearize_needs_no_jvp_as_inside_jvp():
+    Exp = counting_exp([])  # backward only
+    Exp.apply(X)  # the call shape of concrete arrays is remembered
+    out, tangent_fn = jax.linearize(lambda y: Exp.apply(X) * y, 2.0)  # Exp.apply(X) does not depend on y
+    chex.assert_trees_all_close((out, tangent_fn(1.0)), (2.0 * jnp.exp(X), jnp.exp(X)), rtol=1e-6)
+    primal, tangent = jax.jvp(lambda y: Exp.apply(X) * y, (2.0,), (1.0,))
+    chex.assert_trees_all_close((primal, tangent), (2.0 * jnp.exp(X), jnp.exp(X)), rtol=1e-6)
