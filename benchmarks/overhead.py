@@ -373,6 +373,30 @@ def python_floor(number, repeat):
     samples = time_interleaved(candidates, number=number, repeat=repeat, warmup=max(10, number // 10))
     table("The Python floor of a dispatch in front of the jit, Exp on 3 float32", samples, "hand-written")
 
+    # A pytree argument: its leaves' types can be read only by flattening it in Python (JAX's jit
+    # would trace a Python scalar or bool leaf, which vjpkit keeps static).
+    a, params = jnp.ones((4, 3), jnp.float32), {"w": jnp.ones((2, 3), jnp.float32), "b": jnp.ones(2, jnp.float32)}
+    affine_by_hand_jit = jax.jit(lambda params, x: affine_by_hand(params, x, 1.0, None))
+    affine_flat = jax.jit(lambda b, w, x: affine_by_hand({"w": w, "b": b}, x, 1.0, None))
+    flatten = jax.tree_util.default_registry.flatten  # as apply does: tree_flatten without its Python frame
+    leaves, treedef = flatten((params, a))
+    shapes = {(dict, type(a)): None}
+    structures = {(treedef, *map(type, leaves)): affine_flat}
+
+    def flattened(*args, **kwargs):
+        shapes.get((*map(type, args), *kwargs))
+        leaves, treedef = flatten(args)
+        return structures.get((treedef, *map(type, leaves)))(*leaves)
+
+    candidates = [
+        Candidate("hand-written jit(params, a)", lambda: affine_by_hand_jit(params, a)),
+        Candidate("jit of the leaves (b, w, a)", lambda: affine_flat(params["b"], params["w"], a)),
+        Candidate("+ argument types, flatten, structure and leaf types", lambda: flattened(params, a)),
+        Candidate("vjpkit Affine.apply(params, a)", lambda: Affine.apply(params, a)),
+    ]
+    samples = time_interleaved(candidates, number=number, repeat=repeat, warmup=max(10, number // 10))
+    table("The Python floor with a pytree argument, Affine({w, b}, a)", samples, "hand-written jit(params, a)")
+
 
 if __name__ == "__main__":
     main()
