@@ -155,10 +155,11 @@ def _named(fn: Callable, name: str) -> Callable:
 # ``apply`` dispatches on the *call shape*, as ``jax.jit``'s own fast path
 # does: the type of each argument and the keyword names; for arguments that
 # are pytrees (tuples, dicts, None, ...), their structure and the type of each
-# leaf; and the static leaves by ``static_key``. A call shape fixes how the
+# leaf; and the static leaves by value. A call shape fixes how the
 # arguments bind to forward's parameters, hence the program: a call of a
 # known shape only reads that key and runs the program's jit on its array
-# leaves. Binding and splitting run once per new call shape.
+# leaves, with no Python call of its own. Binding and splitting run once per
+# new call shape.
 
 # Call shapes remembered per program (keyword or positional, NumPy or JAX
 # arrays, ...); beyond it the oldest is forgotten and binds again when next seen.
@@ -193,8 +194,9 @@ class _CallShape:
     the static leaves (``keyer(leaves)``; ``()`` when there are none) to
     ``(entry, pick, run)``, ``pick`` taking the program's arrays out of the
     leaves (None: all the leaves, in order) and ``run`` running the program
-    on them (its jit, or ``_run_in_trace`` for calls on tracers). ``route`` is that route when the shape
-    alone fixes it (no static leaf), so such a call reads one table.
+    on them (its jit, or ``_run_in_trace`` for calls on tracers). ``route``
+    is that route when the shape alone fixes it (no static leaf), so such a
+    call reads one table.
     """
 
     __slots__ = ("route", "nested", "keyer", "routes")
