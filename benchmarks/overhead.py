@@ -164,6 +164,9 @@ def main():
         print(f"vjpkit jitted grad step / torch forward+backward: "
               f"{paired_ratio(step, 'vjpkit jax.jit(jax.grad(loss))', 'torch forward + backward'):.3f}")
 
+    # --- 3. every call path, and the Python floor ----------------------------
+    call_path_table(number, repeat)
+
 
 # ---------------------------------------------------------------------------
 # 3. Every call path of apply, against the same call of a hand-written jit.
