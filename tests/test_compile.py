@@ -350,3 +350,54 @@ def test_concurrent_calls_from_eight_threads_match_serial_results():
         chex.assert_trees_all_close(grad, jnp.exp(x) * c)
         chex.assert_trees_all_close((value, grad), run(x, c))
     assert Exp.cache_info().programs == 3  # one per distinct c
+
+
+def test_a_call_of_a_remembered_shape_makes_its_program_the_most_recently_used():
+    calls = []
+    Exp = counting_exp(calls, cache_size=2)
+    Exp.apply(X, 1.0)  # miss
+    Exp.apply(X, 2.0)  # miss
+    Exp.apply(x=X, c=1.0)  # a new call shape of a cached program: hit
+    Exp.apply(x=X, c=1.0)  # the remembered call shape: hit, 1.0 is the most recently used
+    Exp.apply(X, 3.0)  # miss: drops 2.0, the least recently used
+    Exp.apply(X, 1.0)  # hit
+    assert len(calls) == 3
+    Exp.apply(X, 2.0)  # miss: traced again, drops 3.0
+    assert len(calls) == 4
+    info = Exp.cache_info()
+    assert (info.programs, info.hits, info.misses) == (2, 3, 4)
+
+
+def test_keyword_argument_passed_as_an_array_then_as_a_float_is_static_the_second_time():
+    calls = []
+    Scale = _scale(calls)
+    chex.assert_trees_all_close(Scale.apply(X, c=jnp.float32(2.0)), 2.0 * X)
+    chex.assert_trees_all_close(Scale.apply(X, c=3.0), 3.0 * X)
+    assert isinstance(calls[0], jax.core.Tracer)
+    assert calls[1:] == [3.0]  # the float reached forward as itself: static, not traced
+    assert Scale.cache_info().programs == 2
+
+
+def test_keyword_argument_passed_as_an_array_then_as_a_tuple_binds_the_tuple():
+    @vjpkit.function
+    class AddAll:
+        @staticmethod
+        def forward(ctx, x, c):
+            return x + sum(jax.tree_util.tree_leaves(c))
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None
+
+    chex.assert_trees_all_close(AddAll.apply(X, c=jnp.float32(1.0)), X + 1.0)
+    chex.assert_trees_all_close(AddAll.apply(X, c=(jnp.float32(1.0), jnp.float32(2.0))), X + 3.0)
+    assert AddAll.cache_info().programs == 2
+
+
+def test_call_on_closed_over_arrays_inside_linearize_needs_no_jvp_as_inside_jvp():
+    Exp = counting_exp([])  # backward only
+    Exp.apply(X)  # the call shape of concrete arrays is remembered
+    out, tangent_fn = jax.linearize(lambda y: Exp.apply(X) * y, 2.0)  # Exp.apply(X) does not depend on y
+    chex.assert_trees_all_close((out, tangent_fn(1.0)), (2.0 * jnp.exp(X), jnp.exp(X)), rtol=1e-6)
+    primal, tangent = jax.jvp(lambda y: Exp.apply(X) * y, (2.0,), (1.0,))
+    chex.assert_trees_all_close((primal, tangent), (2.0 * jnp.exp(X), jnp.exp(X)), rtol=1e-6)

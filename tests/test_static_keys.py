@@ -144,3 +144,46 @@ def test_nan_static_argument_hits_the_cache():
         assert jnp.isnan(Reciprocal.apply(ones, float("nan"))).all()  # a new nan object each call
     info = Reciprocal.cache_info()
     assert (info.programs, info.hits, info.misses) == (1, 2, 1)
+
+
+def _shift():
+    class Shift(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, mode, n, c=1.0):
+            return (x + n if mode == "add" else x - n) / c
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None, None, None
+
+    return Shift
+
+
+def test_several_static_string_and_int_arguments_are_keyed_by_their_values():
+    Shift = _shift()
+    ones = jnp.ones(2)
+    outputs = [Shift.apply(ones, mode, n) for mode, n in (("add", 2), ("add", 2), ("sub", 2), ("add", 3), ("add", 2))]
+    np.testing.assert_array_equal(np.stack(outputs), [[3.0, 3.0], [3.0, 3.0], [-1.0, -1.0], [4.0, 4.0], [3.0, 3.0]])
+    info = Shift.cache_info()
+    assert (info.programs, info.hits, info.misses) == (3, 2, 3)
+
+
+def test_negative_zero_among_several_static_arguments_does_not_reuse_the_program_of_zero():
+    Shift = _shift()
+    ones = jnp.ones(2)
+    assert (Shift.apply(ones, "add", 1, 0.0) == jnp.inf).all()
+    assert (Shift.apply(ones, "add", 1, -0.0) == -jnp.inf).all()
+    assert (Shift.apply(ones, "add", 1, 0.0) == jnp.inf).all()
+    info = Shift.cache_info()
+    assert (info.programs, info.hits, info.misses) == (2, 1, 2)
+
+
+def test_complex_static_arguments_differing_in_the_sign_of_a_zero_part_are_distinct_and_each_hits():
+    Reciprocal = _reciprocal()
+    ones = jnp.ones(2, jnp.complex64)
+    for _ in range(2):
+        np.testing.assert_allclose(Reciprocal.apply(ones, complex(0.0, 2.0)), [-0.5j, -0.5j])
+        np.testing.assert_allclose(Reciprocal.apply(ones, complex(-0.0, 2.0)), [-0.5j, -0.5j])
+    np.testing.assert_allclose(Reciprocal.apply(ones, complex(1.0, 1.0)), [0.5 - 0.5j, 0.5 - 0.5j])
+    info = Reciprocal.cache_info()
+    assert (info.programs, info.hits, info.misses) == (3, 2, 3)

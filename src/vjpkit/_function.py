@@ -14,7 +14,7 @@ primal, forward and backward rules run the user's methods, and one
 
 from __future__ import annotations
 
-import collections
+import functools
 import operator
 import threading
 import warnings
@@ -69,9 +69,15 @@ class _Program(Program):
         # program that referred to its jit would keep that jit's cache key (and
         # compiled executables) alive after vjpkit's cache dropped it.
 
-    def jit(self) -> Callable:
-        """A new ``jax.jit`` of the program (one per cache entry)."""
-        return jax.jit(_named(self._jit_body, self.spec.name))
+    def jit(self) -> tuple[Callable, Callable]:
+        """New ``jax.jit``s of the program (one pair per cache entry): for calls on tracers, and on arrays.
+
+        The second inlines when an outer jit traces (a call on closed-over
+        arrays); the first keeps backward in a program of its own under
+        eager ``jax.grad`` (backward sees tracers, as everywhere else).
+        """
+        body = _named(self._jit_body, self.spec.name)
+        return jax.jit(body), jax.jit(body, inline=True)
 
     def _jit_body(self, *arrays: Any) -> Any:
         packed = self.differentiable(*arrays)
@@ -149,10 +155,11 @@ def _named(fn: Callable, name: str) -> Callable:
 # ``apply`` dispatches on the *call shape*, as ``jax.jit``'s own fast path
 # does: the type of each argument and the keyword names; for arguments that
 # are pytrees (tuples, dicts, None, ...), their structure and the type of each
-# leaf; and the static leaves by ``static_key``. A call shape fixes how the
+# leaf; and the static leaves by value. A call shape fixes how the
 # arguments bind to forward's parameters, hence the program: a call of a
 # known shape only reads that key and runs the program's jit on its array
-# leaves. Binding and splitting run once per new call shape.
+# leaves, with no Python call of its own. Binding and splitting run once per
+# new call shape.
 
 # Call shapes remembered per program (keyword or positional, NumPy or JAX
 # arrays, ...); beyond it the oldest is forgotten and binds again when next seen.
@@ -160,15 +167,22 @@ _SHAPES_PER_PROGRAM = 16
 
 
 class _Entry:
-    """A cached program, its jit (None for ``jit = False``), and the call shapes routed to it."""
+    """A cached program, its jits, and the call shapes routed to it."""
 
-    __slots__ = ("key", "program", "jitted", "routes")
+    __slots__ = ("key", "program", "jitted", "on_arrays", "routes", "used")
 
-    def __init__(self, key: Any, program: _Program, jitted: Callable | None):
+    def __init__(self, key: Any, program: _Program, jits: tuple[Callable, Callable] | None):
         self.key = key  # the program's key in _Cache.programs
         self.program = program
-        self.jitted = jitted
+        # Its jits (None for ``jit = False``): for calls on tracers, and on concrete arrays.
+        self.jitted: Callable | None = jits[0] if jits else None
+        self.on_arrays: Callable | None = jits[1] if jits else None
         self.routes: list[tuple] = []  # where each call shape routed here is remembered (see _Cache.route)
+        self.used = 0  # the number of the last call that ran it (_Cache.calls): the least recent is dropped
+
+
+def _last_used(entry: _Entry) -> int:
+    return entry.used
 
 
 class _CallShape:
@@ -176,17 +190,86 @@ class _CallShape:
 
     ``nested``: some argument is a pytree, so the shape depends on its
     structure: ``routes`` maps structure and leaf types to the inner shape.
-    Otherwise the arguments are the leaves, and ``routes`` maps the keys of
-    the static ones (at ``static_at``) to ``(entry, pick)``, ``pick`` taking
-    the program's arrays out of the leaves (None: all the leaves, in order).
+    Otherwise the arguments are the leaves, and ``routes`` maps the key of
+    the static leaves (``keyer(leaves)``; ``()`` when there are none) to
+    ``(entry, pick, run)``, ``pick`` taking the program's arrays out of the
+    leaves (None: all the leaves, in order) and ``run`` running the program
+    on them (its jit, or ``_run_in_trace`` for calls on tracers). ``route``
+    is that route when the shape alone fixes it (no static leaf), so such a
+    call reads one table.
     """
 
-    __slots__ = ("nested", "static_at", "routes")
+    __slots__ = ("route", "nested", "keyer", "routes")
 
-    def __init__(self, nested: bool, static_at: tuple[int, ...] = ()):
+    def __init__(self, nested: bool, keyer: Callable[[Any], Any] | None = None):
+        self.route: tuple | None = None
         self.nested = nested
-        self.static_at = static_at
-        self.routes: dict = {}
+        self.keyer = keyer
+        self.routes = _Routes()
+
+    def add(self, statics: Any, route: tuple) -> None:
+        self.routes.put(statics, route)
+        if self.keyer is None:
+            self.route = route
+
+    def remove(self, statics: Any) -> None:
+        self.routes.drop(statics)
+        self.route = None
+
+
+class _Routes(dict):
+    """Routes by the key of the static leaves: ``routes[key]`` is the route, or None.
+
+    Keys of plain values (``int``, ``str``, ``float``, ...) are the values
+    themselves, which are equal when the static values are the same, but
+    for floats: ``0.0 == -0.0``, and ``nan`` is not equal to itself. A key
+    holding a zero or nan float (or complex) is kept by ``static_key``, which
+    tells them apart by their bits, in ``exact``; a lookup that finds no
+    equal key reads it there.
+    """
+
+    __slots__ = ("exact",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exact: dict = {}
+
+    def __missing__(self, key: Any) -> tuple | None:
+        return self.exact.get(_exact_key(key)) if self.exact else None
+
+    def put(self, key: Any, route: Any) -> None:
+        if _ambiguous(key):
+            self.exact[_exact_key(key)] = route
+        else:
+            self[key] = route
+
+    def drop(self, key: Any) -> None:
+        if _ambiguous(key):
+            del self.exact[_exact_key(key)]
+        else:
+            del self[key]
+
+    def __bool__(self) -> bool:
+        return bool(len(self) or self.exact)
+
+
+def _exact_key(key: Any) -> Any:
+    # A key of several static leaves is a tuple (a single leaf is never one: tuples are pytrees).
+    return tuple(map(_static_key_by_value, key)) if type(key) is tuple else static_key(key, True)
+
+
+def _ambiguous(key: Any) -> bool:
+    """Whether ``key`` holds a float or complex that equals another of other bits (zeros) or not itself (nan)."""
+    for value in key if type(key) is tuple else (key,):
+        kind = type(value)
+        if kind is float and (value != value or value == 0):
+            return True
+        if kind is complex and (value != value or value.real == 0 or value.imag == 0):
+            return True
+    return False
+
+
+_UNSEEN = _CallShape(False)  # what apply finds for a call shape not (or no longer) routed
 
 
 class _Argument:
@@ -200,20 +283,53 @@ class _Argument:
 
 def _picker(picked: list[int], constants: list, n_leaves: int) -> Callable[[Any], Any] | None:
     """The call's leaves -> the program's arrays (``picked`` indexes the leaves, then ``constants``)."""
-    if constants:
+    if any(i >= n_leaves for i in picked):  # an array default: appended to the call's leaves
         take = _picker(picked, [], n_leaves + len(constants)) or list
         return lambda leaves: take([*leaves, *constants])
     if picked == list(range(n_leaves)):
         return None
-    if len(picked) == 1:
-        (i,) = picked
-        return lambda leaves: (leaves[i],)
-    return operator.itemgetter(*picked) if picked else lambda leaves: ()
+    if not picked:
+        return operator.itemgetter(slice(0, 0))
+    first, last = picked[0], picked[-1]
+    if picked == list(range(first, last + 1)):  # a run of the leaves (one, at least): a slice
+        return operator.itemgetter(slice(first, last + 1))
+    return operator.itemgetter(*picked)  # two or more: a tuple
+
+
+# Static leaf types whose values key themselves: equal values are the same static
+# value (the call shape already tells their types apart, so 1, 1.0 and True differ).
+_KEYED_BY_EQUALITY = frozenset({int, bool, str, bytes, float, complex})  # floats: see _Routes
+
+
+def _keyer(leaves: Any, static_at: tuple[int, ...]) -> Callable[[Any], Any] | None:
+    """The call's leaves -> the key of its static leaves (by value); None when there are none.
+
+    Chosen once per call shape, which fixes the static leaves' types. The
+    general key (``static_key``) may raise ``Unkeyable``; ``apply`` then
+    takes the slow path, which says why.
+    """
+    if not static_at:
+        return None
+    kinds = {type(leaves[i]) for i in static_at}
+    if kinds <= _KEYED_BY_EQUALITY:
+        return operator.itemgetter(*static_at)
+    if len(static_at) == 1:
+        (i,) = static_at
+        return lambda leaves: static_key(leaves[i], True)
+    get = operator.itemgetter(*static_at)
+    return lambda leaves: tuple(map(_static_key_by_value, get(leaves)))
+
+
+def _static_key_by_value(value: Any) -> Any:
+    return static_key(value, True)
 
 
 def _call_leaves(args: tuple, kwargs: dict) -> tuple:
     """The arguments in call-shape order: positional, then keywords as given."""
     return (*args, *kwargs.values()) if kwargs else args
+
+
+_flatten = jax.tree_util.default_registry.flatten  # tree_flatten without its Python frame
 
 
 def _is_pytree(x: Any) -> bool:
@@ -225,11 +341,11 @@ class _Cache:
 
     def __init__(self, spec: Spec):
         self.spec = spec
-        self.programs: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
+        self.programs: dict[Any, _Entry] = {}
         # Argument types and keyword names -> _CallShape; the second table is for calls under detect_anomaly.
         self.shapes: tuple[dict, dict] = ({}, {})
         self.lock = threading.Lock()
-        self.hits = 0
+        self.calls = 0  # calls that ran a program (apply counts them without the lock: a count, not an id)
         self.misses = 0
         _CACHES.add(self)
 
@@ -240,33 +356,34 @@ class _Cache:
             for table in self.shapes:
                 table.clear()
 
-    def route(self, args: tuple, kwargs: dict, anomaly: bool) -> tuple[_Entry, Callable | None, Any]:
+    def route(self, args: tuple, kwargs: dict, anomaly: bool) -> tuple[tuple, Any]:
         """For a call of a new shape: binds it, finds (or makes) its program, and remembers the route.
 
-        Returns the entry, the pick and the call's leaves.
+        Returns the route (entry, pick, run) and the call's leaves.
         """
         spec = self.spec
         values = spec.signature.bind(args, kwargs)
         layout, _ = spec.partition_arguments(values)
         key = ("detect_anomaly", layout.key) if anomaly else layout.key
         leaves: Any = _call_leaves(args, kwargs)
-        path: list[Any] = [(self.shapes[anomaly], (*map(type, args), *kwargs))]  # (table, key) down to the route
+        path: list[Any] = [(self.shapes[anomaly], (*map(type, leaves), *kwargs))]  # (table, key) down to the route
         nested = any(map(_is_pytree, leaves))
         if nested:
-            leaves, treedef = jax.tree_util.tree_flatten(leaves)
+            leaves, treedef = _flatten(leaves)
             path.append((None, (treedef, *map(type, leaves))))
         pick = self._pick(args, kwargs, layout, len(leaves))
         with self.lock:
+            self.calls += 1
             entry = self.programs.get(key)
             if entry is None:
                 self.misses += 1
                 program = _Program(spec, layout, len(values), anomaly)
                 entry = self.programs[key] = _Entry(key, program, program.jit() if spec.jit else None)
+                entry.used = self.calls
                 while len(self.programs) > spec.cache_size:
-                    self._forget_routes(self.programs.popitem(last=False)[1])
+                    self._forget_routes(self.programs.pop(min(self.programs.values(), key=_last_used).key))
             else:
-                self.hits += 1
-                self.programs.move_to_end(key)
+                entry.used = self.calls
             table, (_, shape_key) = path[0][0], path[0]
             shape = table.get(shape_key)
             if shape is None:
@@ -277,14 +394,17 @@ class _Cache:
                 if shape is None:
                     shape = table[shape_key] = _CallShape(False)
                 path[1] = (table, shape_key)
-            if not shape.routes:
-                shape.static_at = tuple(i for i, x in enumerate(leaves) if not is_array(x))
-            statics = tuple(static_key(leaves[i], True) for i in shape.static_at)
-            shape.routes[statics] = (entry, pick)
-            entry.routes.append((*path, (shape.routes, statics)))
+            if shape.keyer is None and not shape.routes:  # the leaf types fix which leaves are static
+                shape.keyer = _keyer(leaves, tuple(i for i, x in enumerate(leaves) if not is_array(x)))
+            statics = () if shape.keyer is None else shape.keyer(leaves)
+            # On concrete arrays, the jit (it inlines if an outer jit traces); on tracers, _run_in_trace.
+            on_tracers = entry.jitted is None or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+            route = (entry, pick, functools.partial(_run_in_trace, entry) if on_tracers else entry.on_arrays)
+            shape.add(statics, route)
+            entry.routes.append((*path, (shape, statics)))
             if len(entry.routes) > _SHAPES_PER_PROGRAM:
                 self._forget_route(entry, entry.routes.pop(0))
-        return entry, pick, leaves
+        return route, leaves
 
     def _pick(self, args: tuple, kwargs: dict, layout: Partition, n_leaves: int) -> Callable[[Any], Any] | None:
         """Which of the call's leaves are the program's arrays: binds the call shape once, with stand-ins."""
@@ -316,10 +436,10 @@ class _Cache:
     @staticmethod
     def _forget_route(entry: _Entry, path: tuple) -> None:
         """Removes a route (its path of (table, key) pairs), and the shapes it leaves empty."""
-        routes, statics = path[-1]
-        if routes.get(statics, (None,))[0] is not entry:
+        shape, statics = path[-1]
+        if (shape.routes[statics] or (None,))[0] is not entry:
             return
-        del routes[statics]
+        shape.remove(statics)
         for table, key in reversed(path[:-1]):
             shape = table.get(key)
             if shape is None or shape.routes:
@@ -328,7 +448,7 @@ class _Cache:
 
     def info(self) -> CacheInfo:
         with self.lock:
-            return CacheInfo(len(self.programs), self.spec.cache_size, self.hits, self.misses)
+            return CacheInfo(len(self.programs), self.spec.cache_size, self.calls - self.misses, self.misses)
 
 
 _CACHES: weakref.WeakSet[_Cache] = weakref.WeakSet()  # every Function's, while its class lives
@@ -340,8 +460,8 @@ def _clear_function_caches() -> None:
         cache.clear()
 
 
-def _run_in_trace(entry: _Entry, arrays: Any) -> Any:
-    """A call while JAX traces (or of a ``jit = False`` class)."""
+def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
+    """A call on tracers (or of a ``jit = False`` class)."""
     spec = entry.program.spec
     if spec.jvp is None and _jax_internals.linearizing():  # JAX may reuse a forward rule traced for reverse mode
         raise _no_forward_mode(spec)
@@ -364,49 +484,36 @@ def _reraise(spec: Spec, program: _Program, e: Exception) -> None:
         _anomaly.reraise_anomaly(e)
 
 
-def _statics(leaves: Any, static_at: tuple) -> Any:
-    """The key of a call's static leaves (by value); None when one cannot be keyed (the slow path says why)."""
-    if not static_at:
-        return ()
-    try:
-        return tuple([static_key(leaves[i], True) for i in static_at])
-    except Unkeyable:
-        return None
-
-
 def _make_apply(cache: _Cache) -> Callable:
     spec = cache.spec
     shapes = cache.shapes
-    programs = cache.programs
     active = _anomaly.ACTIVE  # [number of open detect_anomaly blocks, in all threads]
     anomaly_enabled = _anomaly.enabled
-    flatten = jax.tree_util.tree_flatten
-    current_trace = _jax_internals.current_trace
-    EvalTrace = _jax_internals.EvalTrace
+    flatten = _flatten
+    unseen = _UNSEEN
 
     def apply(*args: Any, **kwargs: Any) -> Any:
-        shape = shapes[active[0] and anomaly_enabled()].get((*map(type, args), *kwargs))
         leaves: Any = (*args, *kwargs.values()) if kwargs else args
-        if shape is not None and shape.nested:  # pytree arguments: their structure and leaf types
-            leaves, treedef = flatten(leaves)
-            shape = shape.routes.get((treedef, *map(type, leaves)))
-        route = None if shape is None else shape.routes.get(_statics(leaves, shape.static_at))
+        shape = shapes[active[0] and anomaly_enabled()].get((*map(type, leaves), *kwargs), unseen)
+        route = shape.route
+        if route is None:  # a pytree argument or a static leaf: the route lies deeper (or a new call shape)
+            if shape.nested:  # by the pytrees' structure and leaf types
+                leaves, treedef = flatten(leaves)
+                shape = shape.routes.get((treedef, *map(type, leaves)), unseen)
+                route = shape.route
+            if route is None and shape.keyer is not None:  # by the static leaves' values
+                try:
+                    route = shape.routes[shape.keyer(leaves)]
+                except Unkeyable:  # the slow path says why
+                    pass
         if route is None:
-            entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
+            route, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
+            entry, pick, run = route
         else:
-            entry, pick = route
-            try:
-                programs.move_to_end(entry.key)
-            except KeyError:  # another thread dropped the program just now
-                entry, pick, leaves = cache.route(args, kwargs, bool(active[0] and anomaly_enabled()))
-            else:
-                cache.hits += 1
-        arrays = leaves if pick is None else pick(leaves)
+            entry, pick, run = route
+            cache.calls = entry.used = cache.calls + 1
         try:
-            if entry.jitted is not None and type(current_trace.value) is EvalTrace:
-                out = entry.jitted(*arrays)
-            else:
-                out = _run_in_trace(entry, arrays)
+            out = run(*(leaves if pick is None else pick(leaves)))
         except Exception as e:
             _reraise(spec, entry.program, e)
             raise
