@@ -350,3 +350,14 @@ def test_concurrent_calls_from_eight_threads_match_serial_results():
         chex.assert_trees_all_close(grad, jnp.exp(x) * c)
         chex.assert_trees_all_close((value, grad), run(x, c))
     assert Exp.cache_info().programs == 3  # one per distinct c
+
+
+def test_program_dropped_from_the_cache_is_freed_with_the_jitted_gradient_that_traced_it():
+    # The gradient's jaxpr holds the program (its rules); JAX's caches keyed by
+    # that jaxpr's equations must not hold it once the jaxpr is gone.
+    Scale = _scale([], cache_size=1)
+    gradient = jax.jit(jax.grad(lambda x: Scale.apply(x, 2.0).sum()))
+    chex.assert_trees_all_close(gradient(X), jnp.full_like(X, 2.0))
+    del gradient
+    Scale.apply(X, 3.0)  # drops the program of 2.0
+    assert _alive_programs_of(Scale) == 1

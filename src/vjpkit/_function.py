@@ -56,12 +56,17 @@ class _Program(Program):
         # The differentiable function of the array leaves, returning Packed.
         self.differentiable: Callable
         if spec.jvp is None:
-            self.differentiable = jax.custom_vjp(_named(self.primal, spec.name))
-            self.differentiable.defvjp(
+            primal, fwd, bwd = (
+                _named(self.primal, spec.name),
                 _named(self._fwd, f"{spec.name}.forward"),
                 _named(self._bwd, f"{spec.name}.backward"),
-                symbolic_zeros=True,
             )
+            # JAX would work these out anew on every call while tracing (the same each time).
+            n_arrays = len(layout.dynamic)
+            for fn, role in ((primal, "fun"), (fwd, "fwd"), (bwd, "bwd")):
+                _jax_internals.save_debug_info(fn, f"custom_vjp {role}", n_arrays)
+            self.differentiable = jax.custom_vjp(primal)
+            self.differentiable.defvjp(fwd, bwd, symbolic_zeros=True)
         else:
             self.differentiable = forward_mode_function(self)
         # The jit of _jit_body lives in the cache entry, not on the program: JAX's

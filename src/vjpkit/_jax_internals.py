@@ -582,3 +582,59 @@ _UNMAPPED_AVAL_TAKES_AXIS_NAME = "axis_name" in _unmapped_aval.__code__.co_varna
 # later); before, vjpkit cannot name the class when jax.linearize reaches a
 # backward-only Function, and JAX's own "can't apply forward-mode" error stands.
 LINEARIZE_IS_TOLD_FROM_VJP = LINEARIZE_KEEPS_ORDERED_EFFECTS
+
+
+# ---------------------------------------------------------------------------
+# A primitive that lowers to nothing, and parameters JAX's caches hold weakly (_tie.py).
+
+# JAX 0.7 and later cache each equation's lowering as a function of its own,
+# keyed by its parameters; ``cacheable=False`` lowers it in place instead,
+# which is all a rule that only forwards its operands needs. Older JAX lowers
+# every equation in place and has no such keyword.
+_LOWERING_CAN_OPT_OUT_OF_CACHE = "cacheable" in inspect.signature(mlir.register_lowering).parameters
+
+
+def register_inline_lowering(prim: Any, rule: Callable) -> None:
+    """Registers ``rule`` as ``prim``'s lowering, run in place for every equation (never cached)."""
+    if _LOWERING_CAN_OPT_OUT_OF_CACHE:
+        mlir.register_lowering(prim, rule, cacheable=False)
+    else:
+        mlir.register_lowering(prim, rule)
+
+
+def hold_weakly_in_caches(cls: type) -> None:
+    """Makes JAX's caches keyed by equation parameters hold instances of ``cls`` weakly.
+
+    Why: JAX 0.7 and later cache abstract evaluation by parameters, holding
+    other parameters strongly until evicted; a parameter that refers to a
+    program would keep it alive after vjpkit's cache (and every jaxpr) let
+    it go. Older JAX has no such cache, so there is nothing to register.
+    """
+    weak_types = getattr(_require_module("jax._src.util"), "weakref_cache_key_types", None)
+    if weak_types is not None:
+        weak_types.add(cls)
+
+
+# ---------------------------------------------------------------------------
+# JAX's debug info of a function, computed once (_function.py).
+
+_api_util = _require_module("jax._src.api_util")
+# JAX 0.7 and later compute a function's debug info (its name, source line
+# and argument names, read by error messages) on every call of a custom_vjp,
+# with ``inspect.signature`` and a flattening of the arguments, unless the
+# function carries it precomputed; older JAX has no such attribute.
+_DEBUG_INFO_CAN_BE_SAVED = (
+    hasattr(_api_util, "save_wrapped_fun_debug_info")
+    and "__fun_debug_info__" in _api_util.debug_info.__code__.co_consts
+)
+
+
+class _Leaf:
+    """An argument that is one leaf (an array's stand-in)."""
+
+
+def save_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
+    """Gives ``fn`` (always called with ``n_args`` arrays) the debug info JAX would compute on each call."""
+    if _DEBUG_INFO_CAN_BE_SAVED:
+        leaf = _Leaf()
+        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaf,) * n_args, {}))

@@ -35,6 +35,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _anomaly, _jax_internals, _sharding
 from ._ctx import _short_repr, closing, is_array, rule_ctx
+from ._jax_internals import Primitive, ad, batching
 from ._linear_call import linear_call
 from ._outputs import Packed, is_differentiable_dtype
 from ._program import Program, ResidualMeta, Residuals, naming_traced_values, profiled
@@ -231,7 +232,8 @@ def tie_outputs(program: Program, arrays: tuple, packed: Packed, residuals: Resi
         if id(x) not in input_ids:  # an input returned as is keeps its own derivative when saved
             output_of.setdefault(id(x), j)
     saved = tuple((k, output_of[id(r)]) for k, r in enumerate(residuals.arrays) if id(r) in output_of)
-    tie = _Tie(program, meta, packed.layout, tuple(jnp.result_type(x) for x in arrays), tied, saved)
+    tie = _Tie(program, meta, packed.layout, tuple(jnp.result_type(x) for x in arrays), tied, saved,
+               len(residuals.arrays))
     outputs, res = tie(arrays, residuals.arrays, [packed.arrays[j] for j in tied])
     by_position = dict(zip(tied, outputs, strict=True))
     all_outputs = tuple(by_position[j] if j in by_position else _constant(y) for j, y in enumerate(packed.arrays))
@@ -243,39 +245,48 @@ class _Tie:
 
     ``tied``: the positions of the differentiable outputs, the ones tied;
     ``saved``: (residual position, output position) for each residual that
-    is an output.
+    is an output. One per forward run; the tie primitive's equation holds it.
     """
 
+    __slots__ = ("program", "meta", "out_layout", "in_dtypes", "tied", "saved", "n_inputs", "n_residuals",
+                 "__weakref__")
+
     def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_dtypes: tuple,
-                 tied: list, saved: tuple):
+                 tied: list, saved: tuple, n_residuals: int):
         self.program = program
         self.meta = meta
         self.out_layout = out_layout
         self.in_dtypes = in_dtypes
         self.tied = tied
         self.saved = saved
-        self.function = jax.custom_jvp(_identity_on_outputs)
-        self.function.defjvp(self.rule, symbolic_zeros=True)
+        self.n_inputs = len(in_dtypes)
+        self.n_residuals = n_residuals
 
-    def __call__(self, inputs: tuple, residuals: tuple, outputs: Sequence[Any]) -> tuple[list, list]:
+    def __call__(self, inputs: Sequence[Any], residuals: Sequence[Any], outputs: Sequence[Any]) -> tuple[list, list]:
         """The differentiable outputs tied, and the residuals with each saved output tied."""
-        tied = self.function(tuple(inputs), tuple(residuals), list(outputs)) if self.tied else []
-        by_position = dict(zip(self.tied, tied, strict=True))
+        tied = _tie_p.bind(*inputs, *residuals, *outputs, tie=self) if self.tied else []
         res = list(residuals)
-        for k, j in self.saved:
-            res[k] = by_position[j] if j in by_position else _constant(res[k])
+        if self.saved:
+            by_position = dict(zip(self.tied, tied, strict=True))
+            for k, j in self.saved:
+                res[k] = by_position[j] if j in by_position else _constant(res[k])
         return tied, res
 
-    def rule(self, primals: tuple, tangents: tuple) -> tuple[list, list]:
-        inputs, residuals, outputs = primals
+    def rule(self, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
+        """The tie's JVP: outputs tied again, and their tangents by the Function's own derivative.
+
+        ``tangents`` has one per primal, ``ad.Zero`` where JAX knows it is zero.
+        """
+        n_in, first_output = self.n_inputs, self.n_inputs + self.n_residuals
+        inputs, residuals, outputs = primals[:n_in], primals[n_in:first_output], primals[first_output:]
         moving = [
-            d for d, t in enumerate(tangents[0])
-            if type(t) is not SymbolicZero and is_differentiable_dtype(self.in_dtypes[d])
+            d for d in range(n_in)
+            if type(tangents[d]) is not ad.Zero and is_differentiable_dtype(self.in_dtypes[d])
         ]
         if not moving:
-            return outputs, [_jax_internals.symbolic_zero_like(y) for y in outputs]
+            return list(outputs), [ad.Zero(_jax_internals.tangent_aval(y)) for y in outputs]
         program, meta = self.program, self.meta
-        perturbed = [d in moving for d in range(len(inputs))]
+        perturbed = [d in moving for d in range(n_in)]
         needs = tuple(a or b for a, b in zip(meta.needs, program.needs_input_grad(perturbed, inputs), strict=True))
         # Tied again for the derivative after this one (this rule runs as
         # plain code under it): the outputs returned and the saved ones.
@@ -290,11 +301,100 @@ class _Tie:
         in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
         own = OwnDerivative(program, meta, self.out_layout, in_avals, moving)
         out_types = [_jax_internals.tangent_aval(y) for y in outputs]
-        return outputs, own.tangents(res, [tangents[0][d] for d in moving], out_types)
+        return outputs, own.tangents(res, [tangents[d] for d in moving], out_types)
+
+    def __repr__(self) -> str:
+        return self.program.spec.name
 
 
-def _identity_on_outputs(inputs: tuple, residuals: tuple, outputs: list) -> list:
-    return list(outputs)
+class _BatchedTie:
+    """A tie under ``jax.vmap``: the unbatched tie's derivative, run under the same vmap.
+
+    ``dims``: the batch axis of each operand (None: not batched); the
+    outputs are batched along axis 0.
+    """
+
+    __slots__ = ("inner", "dims", "size", "axis_names", "n_inputs", "n_residuals", "__weakref__")
+
+    def __init__(self, inner: Any, dims: tuple, size: int, axis_names: dict):
+        self.inner = inner
+        self.dims = dims
+        self.size = size
+        self.axis_names = axis_names
+        self.n_inputs = inner.n_inputs
+        self.n_residuals = inner.n_residuals
+
+    def rule(self, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
+        # Only input tangents matter to the rule (as for the unbatched tie).
+        moving = [
+            d for d in range(self.n_inputs)
+            if type(tangents[d]) is not ad.Zero and is_differentiable_dtype(tangents[d].dtype)
+        ]
+
+        def unbatched(primals: list, moving_tangents: list) -> tuple[list, list]:
+            full: list = [ad.Zero(_jax_internals.tangent_aval(p)) for p in primals]
+            for d, t in zip(moving, moving_tangents, strict=True):
+                full[d] = t
+            outputs, out_tangents = self.inner.rule(primals, full)
+            return list(outputs), [ad.instantiate_zeros(t) for t in out_tangents]
+
+        in_axes = (list(self.dims), [self.dims[d] for d in moving])
+        return jax.vmap(unbatched, in_axes=in_axes, axis_size=self.size, **self.axis_names)(
+            list(primals), [tangents[d] for d in moving]
+        )
+
+    def __repr__(self) -> str:
+        return f"vmapped {self.inner!r}"
+
+
+# The tie as a primitive: one equation per forward run, which lowers to
+# nothing (its outputs are its output operands). A custom_jvp would trace a
+# nested jaxpr per call and lower it as a function of its own.
+_tie_p = Primitive("vjpkit_tie")
+_tie_p.multiple_results = True
+
+
+def _tie_impl(*args: Any, tie: Any) -> list:
+    return list(args[tie.n_inputs + tie.n_residuals :])
+
+
+def _tie_abstract_eval(*avals: Any, tie: Any) -> list:
+    return list(avals[tie.n_inputs + tie.n_residuals :])
+
+
+def _tie_lowering(ctx: Any, *args: Any, tie: Any) -> list:
+    return list(args[tie.n_inputs + tie.n_residuals :])
+
+
+def _tie_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, tie: Any) -> tuple[list, list]:
+    return tie.rule(primals, tangents)
+
+
+def _tie_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, tie: Any) -> tuple[list, list]:
+    axis_names = _jax_internals.vmap_axis_names(axis_data)
+    first_output = tie.n_inputs + tie.n_residuals
+    if all(d is None for d in dims) and axis_names["axis_name"] is None:
+        out = _tie_p.bind(*args, tie=tie)
+        return out, [None] * len(out)
+    # Every output batched: its derivative may vary along the batch even where its value does not.
+    size = axis_data.size
+    outputs = [
+        batching.bdim_at_front(x, d, size) for x, d in zip(args[first_output:], dims[first_output:], strict=True)
+    ]
+    batched = _BatchedTie(tie, (*dims[:first_output], *[0] * len(outputs)), size, axis_names)
+    out = _tie_p.bind(*args[:first_output], *outputs, tie=batched)
+    return out, [0] * len(out)
+
+
+_tie_p.def_impl(_tie_impl)
+_tie_p.def_abstract_eval(_tie_abstract_eval)
+_jax_internals.register_inline_lowering(_tie_p, _tie_lowering)
+ad.primitive_jvps[_tie_p] = _tie_jvp
+batching.fancy_primitive_batchers[_tie_p] = _tie_batch
+# JAX's abstract-evaluation cache keys on the equation's parameters: a tie
+# must not keep its program alive after the jaxpr holding it is gone.
+_jax_internals.hold_weakly_in_caches(_Tie)
+_jax_internals.hold_weakly_in_caches(_BatchedTie)
 
 
 def _constant(x: Any) -> Any:
