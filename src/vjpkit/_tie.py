@@ -34,11 +34,11 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from . import _anomaly, _jax_internals, _sharding
-from ._ctx import _short_repr, closing, is_array, rule_ctx
+from ._ctx import _short_repr, is_array, rule_ctx
 from ._jax_internals import Primitive, ad, batching
 from ._linear_call import linear_call
 from ._outputs import Packed, is_differentiable_dtype
-from ._program import Program, ResidualMeta, Residuals, naming_traced_values, profiled
+from ._program import Program, ResidualMeta, Residuals, as_arrays, run_user_method
 
 
 class OwnDerivative:
@@ -98,8 +98,9 @@ class OwnDerivative:
                 tangent_leaves[d] = jnp.zeros(*self.in_avals[d])
         ctx = rule_ctx(self.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
         try:
-            with naming_traced_values(self.name, lambda: "jvp"), closing(ctx), profiled(self.name, "jvp"):
-                result = self.spec.jvp(ctx, *program.layout.combine(tangent_leaves, keep_static=False))
+            result = run_user_method(
+                self.name, ctx, self.spec.jvp, ctx, *program.layout.combine(tangent_leaves, keep_static=False)
+            )
         except _sharding.sharding_type_errors() as e:
             raise _sharding.forward_sharding_error(self.name, "jvp", e) from None
         tangents_out = self._check_jvp_outputs(result)
@@ -232,7 +233,7 @@ def tie_outputs(program: Program, arrays: tuple, packed: Packed, residuals: Resi
         if id(x) not in input_ids:  # an input returned as is keeps its own derivative when saved
             output_of.setdefault(id(x), j)
     saved = tuple((k, output_of[id(r)]) for k, r in enumerate(residuals.arrays) if id(r) in output_of)
-    tie = _Tie(program, meta, packed.layout, tuple(jnp.result_type(x) for x in arrays), tied, saved,
+    tie = _Tie(program, meta, packed.layout, tuple(x.dtype for x in arrays), tied, saved,
                len(residuals.arrays))
     outputs, res = tie(arrays, residuals.arrays, [packed.arrays[j] for j in tied])
     by_position = dict(zip(tied, outputs, strict=True))
@@ -295,7 +296,7 @@ class _Tie:
             # The outer derivative moves an input that forward was told needs
             # no gradient (a gradient penalty's parameters): run forward again
             # as PyTorch would have, knowing every input that needs one.
-            packed, again = program.run_forward(tuple(inputs), needs)
+            packed, again = program.run_forward(as_arrays(inputs), needs)
             _, again = tie_outputs(program, tuple(inputs), packed, again)
             meta, res = again.meta, list(again.arrays)
         in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
