@@ -457,12 +457,25 @@ def test_first_order_lowering_is_the_hand_written_custom_vjps():
     assert jax.jit(jax.value_and_grad(sin_loss(Tanh.apply))).lower(X).as_text() == by_hand
 
 
-def test_tie_is_one_equation_per_call_in_a_first_order_jaxpr():
-    jaxpr = jax.make_jaxpr(jax.value_and_grad(sin_loss(lambda x: Tanh.apply(Tanh.apply(x)))))(X).jaxpr
-    names = [eqn.primitive.name for eqn in jaxpr.eqns]
+def _ties(fn, *args):
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda *a: jnp.sin(fn(*a)).sum()))(*args).jaxpr
+    return jaxpr, [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "vjpkit_tie"]
+
+
+def test_tie_is_one_equation_per_call_taking_each_array_once():
+    jaxpr, ties = _ties(lambda x: Tanh.apply(Tanh.apply(x)), X)
     by_hand = jax.make_jaxpr(jax.value_and_grad(sin_loss(lambda x: tanh_by_hand(tanh_by_hand(x)))))(X).jaxpr
-    assert names.count("vjpkit_tie") == 2
-    assert len(names) == len(by_hand.eqns) + 2
+    assert len(ties) == 2
+    assert len(jaxpr.eqns) == len(by_hand.eqns) + 2
+    # Tanh saves the output it returns: the input and that output, once each.
+    assert [len(eqn.invars) for eqn in ties] == [2, 2]
+
+
+def test_ties_of_calls_of_one_program_are_equal_so_jax_caches_answer_for_all():
+    _, ties = _ties(lambda x: Tanh.apply(Tanh.apply(x)) + Tanh.apply(x[:2]).sum(), X)
+    same_shape, other_shape = (ties[0].params["tie"], ties[1].params["tie"]), ties[2].params["tie"]
+    assert same_shape[0] == same_shape[1] and hash(same_shape[0]) == hash(same_shape[1])
+    assert other_shape != same_shape[0]
 
 
 class MeanSinSaved(vjpkit.Function):

@@ -585,21 +585,7 @@ LINEARIZE_IS_TOLD_FROM_VJP = LINEARIZE_KEEPS_ORDERED_EFFECTS
 
 
 # ---------------------------------------------------------------------------
-# A primitive that lowers to nothing, and parameters JAX's caches hold weakly (_tie.py).
-
-# JAX 0.7 and later cache each equation's lowering as a function of its own,
-# keyed by its parameters; ``cacheable=False`` lowers it in place instead,
-# which is all a rule that only forwards its operands needs. Older JAX lowers
-# every equation in place and has no such keyword.
-_LOWERING_CAN_OPT_OUT_OF_CACHE = "cacheable" in inspect.signature(mlir.register_lowering).parameters
-
-
-def register_inline_lowering(prim: Any, rule: Callable) -> None:
-    """Registers ``rule`` as ``prim``'s lowering, run in place for every equation (never cached)."""
-    if _LOWERING_CAN_OPT_OUT_OF_CACHE:
-        mlir.register_lowering(prim, rule, cacheable=False)
-    else:
-        mlir.register_lowering(prim, rule)
+# Equation parameters JAX's caches hold weakly (_tie.py).
 
 
 def hold_weakly_in_caches(cls: type) -> None:
