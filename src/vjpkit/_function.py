@@ -95,7 +95,7 @@ class _Program(Program):
                 "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
                 "jax.jacfwd)."
             )
-        if _jax_internals.called_from_forward_mode() or _jax_internals.called_from_linearize():
+        if _jax_internals.forward_rule_called_for_forward_mode():
             raise _no_forward_mode(spec)
         arrays = as_arrays([p.value for p in primals])  # eager runs pass weakly typed Python scalars
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)

@@ -356,6 +356,30 @@ def called_from_linearize(max_depth: int = 32) -> bool:
     return False
 
 
+def forward_rule_called_for_forward_mode(max_depth: int = 32) -> bool:
+    """``called_from_forward_mode() or called_from_linearize()``, in one walk up the callers.
+
+    Why: a ``custom_vjp`` forward rule asks this on every call while JAX
+    traces; one walk of the same frames answers both.
+    """
+    if not _direct_linearize.value:
+        return called_from_forward_mode(max_depth + 1) or called_from_linearize(max_depth + 1)
+    jvp_frame = linearize_frame = None
+    frame: Any = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        code = frame.f_code
+        if jvp_frame is None and code is _JVP_CUSTOM_VJP_CODE:
+            jvp_frame = frame
+        elif linearize_frame is None and code is _LINEARIZE_CUSTOM_VJP_CODE:
+            linearize_frame = frame
+        frame = frame.f_back
+    if jvp_frame is not None and not _linearizing_by_jvp(jvp_frame):
+        return True
+    return linearize_frame is not None and not getattr(linearize_frame.f_locals.get("self"), "is_vjp", True)
+
+
 def linearizing() -> bool:
     """Whether the innermost differentiation around the current call is ``jax.linearize``.
 

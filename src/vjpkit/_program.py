@@ -28,8 +28,8 @@ from jax.errors import (
 )
 
 from . import _anomaly, _host, _jax_internals, _sharding
-from ._args import Signature, split_residuals
-from ._ctx import FunctionCtx, call_forward, close, dirty_of, forwarded, is_array, method_of, rule_ctx
+from ._args import Signature, as_jax_leaf, split_residuals
+from ._ctx import Carried, FunctionCtx, call_forward, close, dirty_of, forwarded, is_array, method_of, rule_ctx
 from ._once import call_without_derivative, is_once_differentiable
 from ._outputs import (
     Packed,
@@ -237,6 +237,22 @@ def as_arrays(xs: Sequence[Any]) -> tuple:
     return tuple(x if isinstance(x, jax.Array) else jnp.asarray(x) for x in xs)
 
 
+# Layouts of what forward left when that is only saved arrays (and None):
+# keyed by where the Nones are, built once each.
+_SAVED_ONLY_LAYOUTS: dict[tuple, Partition] = {}
+
+
+def _split_carried(carried: Carried) -> tuple[Partition, tuple]:
+    """``split_residuals(carried)``, without flattening it in the common case (saved arrays only)."""
+    if carried.attributes or carried.host is not None or carried.saved_forward:
+        return split_residuals(carried)
+    nones = tuple(x is None for x in carried.saved)
+    layout = _SAVED_ONLY_LAYOUTS.get(nones)
+    if layout is None:
+        layout = _SAVED_ONLY_LAYOUTS[nones] = split_residuals(carried)[0]
+    return layout, tuple(as_jax_leaf(x) for x in carried.saved if x is not None)
+
+
 class Program:
     """The user's methods for one static part of a call (``layout``), and their checks."""
 
@@ -260,7 +276,9 @@ class Program:
 
     def input_kinds(self, arrays: Any) -> tuple:
         """Per leaf of the bound arguments: None (static) or the array's type."""
-        kinds = [(*_kind(x), _jax_internals.varying_axes(x), _sharding.explicit_sharding(x)) for x in arrays]
+        kinds = [
+            (tuple(x.shape), x.dtype, _jax_internals.varying_axes(x), _sharding.explicit_sharding(x)) for x in arrays
+        ]
         return tuple(self.layout.leaves(kinds, keep_static=False))
 
     # -- forward -----------------------------------------------------------
@@ -275,7 +293,7 @@ class Program:
         packed, out, ctx = self._forward(arrays, needs)
         left = forwarded(ctx, forward_mode)
         self._check_static_attributes(left.carried.attributes, method_of(ctx))
-        layout, res_arrays = split_residuals(left.carried)
+        layout, res_arrays = _split_carried(left.carried)
         meta = ResidualMeta(
             layout, needs, differentiable_outputs(out, left.non_differentiable),
             tuple(_kind(a) for a in packed.arrays), left.materialize, self.input_kinds(arrays),
