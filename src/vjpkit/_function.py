@@ -15,6 +15,7 @@ primal, forward and backward rules run the user's methods, and one
 from __future__ import annotations
 
 import collections
+import inspect
 import operator
 import threading
 import warnings
@@ -145,7 +146,11 @@ def _named(fn: Callable, name: str) -> Callable:
         return fn(*args)
 
     named.__name__ = named.__qualname__ = name
+    named.__signature__ = _ANY_ARGUMENTS  # type: ignore[attr-defined]  # read by JAX on each call, never built
     return named
+
+
+_ANY_ARGUMENTS = inspect.signature(lambda *args: None)
 
 
 # ---------------------------------------------------------------------------

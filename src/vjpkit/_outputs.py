@@ -99,6 +99,8 @@ def output_cotangents(
             grads.append(ct)
         else:
             grads.append(jnp.zeros(shape, dtype) if materialize else None)
+    if layout is _ONE_ARRAY:
+        return (grads[0],)
     structured = layout.combine(grads, keep_static=False)
     return tuple(structured) if layout.is_tuple() else (structured,)
 

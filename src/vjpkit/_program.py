@@ -240,6 +240,7 @@ def as_arrays(xs: Sequence[Any]) -> tuple:
 # Layouts of what forward left when that is only saved arrays (and None):
 # keyed by where the Nones are, built once each.
 _SAVED_ONLY_LAYOUTS: dict[tuple, Partition] = {}
+_SAVED_ONLY_NONES: dict[Partition, tuple] = {}  # the reverse
 
 
 def _split_carried(carried: Carried) -> tuple[Partition, tuple]:
@@ -250,7 +251,17 @@ def _split_carried(carried: Carried) -> tuple[Partition, tuple]:
     layout = _SAVED_ONLY_LAYOUTS.get(nones)
     if layout is None:
         layout = _SAVED_ONLY_LAYOUTS[nones] = split_residuals(carried)[0]
+        _SAVED_ONLY_NONES[layout] = nones
     return layout, tuple(as_jax_leaf(x) for x in carried.saved if x is not None)
+
+
+def _combine_carried(layout: Partition, arrays: Sequence[Any]) -> Carried:
+    """``layout.combine(arrays)``: what forward left, rebuilt from its arrays (directly for saved arrays only)."""
+    nones = _SAVED_ONLY_NONES.get(layout)
+    if nones is None:
+        return layout.combine(arrays)
+    it = iter(arrays)
+    return Carried(tuple(None if none else next(it) for none in nones), (), {}, None)
 
 
 class Program:
@@ -265,6 +276,10 @@ class Program:
         owners = layout.owners()
         self.param_of_dynamic = tuple(owners[k][0] for k in layout.dynamic)
         self.n_params = n_values
+        # Every argument an array: the arguments are the arrays themselves, no rebuilding.
+        self.all_arrays = not layout.static and all(len(owner) == 2 and owner[1] == 0 for owner in owners) and all(
+            child.num_leaves == 1 and not child.children() for child in self.param_treedefs
+        )
 
     def needs_input_grad(self, perturbed: Any, arrays: Any) -> tuple[bool, ...]:
         """One flag per parameter: whether JAX differentiates any of its float leaves."""
@@ -322,7 +337,7 @@ class Program:
 
     def _forward(self, arrays: tuple, needs: tuple) -> tuple[Packed, Any, FunctionCtx]:
         spec = self.spec
-        values = self.layout.combine(arrays)
+        values = tuple(arrays) if self.all_arrays else self.layout.combine(arrays)
         ctx = FunctionCtx(spec.name, needs, values)
         try:
             out = run_user_method(
@@ -379,7 +394,7 @@ class Program:
     def _backward(self, meta: ResidualMeta, res_arrays: Sequence[Any], grads: tuple) -> list:
         spec = self.spec
         assert spec.backward is not None  # run_backward is reached only when backward exists
-        ctx = rule_ctx(spec.name, "backward", meta.needs, meta.layout.combine(res_arrays), meta.materialize)
+        ctx = rule_ctx(spec.name, "backward", meta.needs, _combine_carried(meta.layout, res_arrays), meta.materialize)
         result = run_user_method(spec.name, ctx, spec.backward, ctx, *grads)
         cotangents = check_backward_outputs(
             spec.name, result, self.param_treedefs, self.names, meta.in_kinds, meta.needs
