@@ -216,6 +216,7 @@ def is_forward_mode_of_custom_vjp_error(e: BaseException) -> bool:
 # ``jax._src.core.typeof`` from JAX 0.5 (``get_aval`` is gone by 0.10),
 # ``get_aval`` in JAX 0.4.38.
 _aval: Callable[[Any], Any] = getattr(_core, "typeof", None) or _require(_core, "get_aval", "jax._src.core")
+aval_of = _aval  # for modules reading several fields of one array's type
 
 
 def varying_axes(x: Any) -> frozenset:

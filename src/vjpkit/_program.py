@@ -291,9 +291,13 @@ class Program:
 
     def input_kinds(self, arrays: Any) -> tuple:
         """Per leaf of the bound arguments: None (static) or the array's type."""
-        kinds = [
-            (tuple(x.shape), x.dtype, _jax_internals.varying_axes(x), _sharding.explicit_sharding(x)) for x in arrays
-        ]
+        kinds = []
+        for x in arrays:
+            aval = _jax_internals.aval_of(x)  # read once for all four
+            kinds.append((
+                tuple(aval.shape), aval.dtype, _jax_internals.aval_varying_axes(aval),
+                _sharding.explicit_sharding_of_type(aval),
+            ))
         return tuple(self.layout.leaves(kinds, keep_static=False))
 
     # -- forward -----------------------------------------------------------

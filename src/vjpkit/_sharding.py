@@ -84,10 +84,16 @@ def explicit_sharding(x: Any) -> Any:
     vjpkit keeps it from forward to backward (it is hashable, static data),
     to give ``x``'s gradient the same type.
     """
-    api = _jax_internals.sharding_api()
-    if api.get_abstract_mesh is None:
+    if _jax_internals.sharding_api().get_abstract_mesh is None:
         return None
-    sharding = getattr(jax.typeof(x), "sharding", None)
+    return explicit_sharding_of_type(jax.typeof(x))
+
+
+def explicit_sharding_of_type(aval: Any) -> Any:
+    """``explicit_sharding`` of an array of type ``aval`` (``None`` on a JAX without Explicit axes)."""
+    if _jax_internals.sharding_api().get_abstract_mesh is None:
+        return None
+    sharding = getattr(aval, "sharding", None)
     if sharding is None or not _explicit_axes(getattr(sharding, "mesh", None)):
         return None
     return sharding
