@@ -401,3 +401,14 @@ def test_call_on_closed_over_arrays_inside_linearize_needs_no_jvp_as_inside_jvp(
     chex.assert_trees_all_close((out, tangent_fn(1.0)), (2.0 * jnp.exp(X), jnp.exp(X)), rtol=1e-6)
     primal, tangent = jax.jvp(lambda y: Exp.apply(X) * y, (2.0,), (1.0,))
     chex.assert_trees_all_close((primal, tangent), (2.0 * jnp.exp(X), jnp.exp(X)), rtol=1e-6)
+
+
+def test_program_dropped_from_the_cache_is_freed_with_the_jitted_gradient_that_traced_it():
+    # The gradient's jaxpr holds the program (its rules); JAX's caches keyed by
+    # that jaxpr's equations must not hold it once the jaxpr is gone.
+    Scale = _scale([], cache_size=1)
+    gradient = jax.jit(jax.grad(lambda x: Scale.apply(x, 2.0).sum()))
+    chex.assert_trees_all_close(gradient(X), jnp.full_like(X, 2.0))
+    del gradient
+    Scale.apply(X, 3.0)  # drops the program of 2.0
+    assert _alive_programs_of(Scale) == 1

@@ -99,6 +99,23 @@ def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
     chex.assert_trees_all_close(got, 2 * X)
 
 
+def test_saved_variables_warning_points_at_the_users_line():
+    class Square(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_variables
+            return 2 * x * g
+
+    with pytest.warns(DeprecationWarning, match="saved_variables") as record:
+        jax.grad(lambda x: Square.apply(x).sum())(X)
+    assert record[0].filename == __file__
+
+
 def test_saved_tensors_is_empty_when_nothing_was_saved():
     seen = []
 
@@ -322,6 +339,21 @@ def test_ctx_attribute_holding_a_python_value_is_static_in_backward():
     expected = jax.grad(lambda x: (jnp.tanh(x) * 3.0).sum())(X)
     chex.assert_trees_all_close(jax.grad(lambda x: Activation.apply(x, 3.0).sum())(X), expected)
     assert seen == [(float, "tanh", True)]
+
+
+def test_ctx_attributes_named_with_an_underscore_reach_backward():
+    class Scaled(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx._scale = 3.0
+            ctx._x = x
+            return 3.0 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx._scale + 0 * ctx._x
+
+    chex.assert_trees_all_close(jax.grad(lambda x: Scaled.apply(x).sum())(X), jnp.full_like(X, 3.0))
 
 
 def test_ctx_attributes_mix_static_and_array_values():

@@ -100,6 +100,22 @@ def test_gradient_of_the_wrong_shape_raises():
         grad_of(Bad.apply)
 
 
+def test_gradient_of_the_wrong_shape_for_a_leaf_of_a_pytree_input_names_the_leaf():
+    class Bad(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, params):
+            return params["w"] * params["b"]
+
+        @staticmethod
+        def backward(ctx, g):
+            return {"b": g, "w": g[:2]}
+
+    params = {"w": X, "b": W}
+    with pytest.raises(ValueError, match=r"Bad\.backward returned a gradient of shape \(2,\) for input 0 "
+                                         r"\('params'\) at leaf 1: expected shape \(3,\)"):
+        jax.grad(lambda p: Bad.apply(p).sum())(params)
+
+
 def test_gradient_whose_shape_is_not_a_broadcast_of_the_input_raises():
     # (3, 1) broadcasts *with* (3,) but is not a broadcast *of* it: no sum-down.
     Bad = returning(lambda g: (g[:, None], None, None))

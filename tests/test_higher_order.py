@@ -449,3 +449,71 @@ def test_first_order_program_is_the_hand_written_custom_vjps():
     by_hand = _optimized_hlo(jax.value_and_grad(sin_loss(tanh_by_hand)), X)
     assert _optimized_hlo(jax.value_and_grad(sin_loss(Tanh.apply)), X) == by_hand
     np.testing.assert_allclose(jax.grad(sin_loss(Tanh.apply))(X), jax.grad(sin_loss(jnp.tanh))(X))
+
+
+def test_first_order_lowering_is_the_hand_written_custom_vjps():
+    # The tie is one equation that lowers to nothing: no function, no op of its own.
+    by_hand = jax.jit(jax.value_and_grad(sin_loss(tanh_by_hand))).lower(X).as_text()
+    assert jax.jit(jax.value_and_grad(sin_loss(Tanh.apply))).lower(X).as_text() == by_hand
+
+
+def _ties(fn, *args):
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda *a: jnp.sin(fn(*a)).sum()))(*args).jaxpr
+    return jaxpr, [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "vjpkit_tie"]
+
+
+def test_tie_is_one_equation_per_call_taking_each_array_once():
+    jaxpr, ties = _ties(lambda x: Tanh.apply(Tanh.apply(x)), X)
+    by_hand = jax.make_jaxpr(jax.value_and_grad(sin_loss(lambda x: tanh_by_hand(tanh_by_hand(x)))))(X).jaxpr
+    assert len(ties) == 2
+    assert len(jaxpr.eqns) == len(by_hand.eqns) + 2
+    # Tanh saves the output it returns: the input and that output, once each.
+    assert [len(eqn.invars) for eqn in ties] == [2, 2]
+
+
+def test_ties_of_calls_of_one_program_are_equal_so_jax_caches_answer_for_all():
+    _, ties = _ties(lambda x: Tanh.apply(Tanh.apply(x)) + Tanh.apply(x[:2]).sum(), X)
+    same_shape, other_shape = (ties[0].params["tie"], ties[1].params["tie"]), ties[2].params["tie"]
+    assert same_shape[0] == same_shape[1] and hash(same_shape[0]) == hash(same_shape[1])
+    assert other_shape != same_shape[0]
+
+
+class MeanSinSaved(vjpkit.Function):
+    """pmean(sin(x)) over the vmap axis "batch", computed by stop_gradient code; backward uses the collective."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return jax.lax.stop_gradient(jax.lax.pmean(jnp.sin(x), "batch"))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return jnp.cos(x) * jax.lax.pmean(g, "batch")
+
+
+def test_derivative_outside_a_named_vmap_of_an_unbatched_input_runs_the_rules_under_the_axis():
+    # Inside the vmap the tie's operands are not batched, yet its derivative,
+    # taken outside (backward's pmean), needs the axis.
+    scales = jnp.array([1.0, 3.0])
+
+    def jacobian_of_scaled_gradients(f):
+        def scaled_gradients(x):
+            return jax.vmap(lambda s: jax.grad(lambda x: jnp.sin(f(x)).sum())(x) * s, axis_name="batch")(scales)
+
+        return jax.jacfwd(scaled_gradients)(X)
+
+    expected = jacobian_of_scaled_gradients(lambda x: jax.lax.pmean(jnp.sin(x), "batch"))
+    close(jacobian_of_scaled_gradients(MeanSinSaved.apply), expected)
+
+
+@pytest.mark.parametrize("outer", [jax.jacfwd, jax.jacrev], ids=["jacfwd", "jacrev"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_derivative_of_vmapped_gradients_is_the_functions(outer, axis):
+    # The tie is batched (along ``axis``) before the outer derivative takes its derivative.
+    rows = jnp.stack([X, 2 * X], axis=axis)
+
+    def per_example_gradients(f):
+        return outer(jax.vmap(jax.grad(lambda x: jnp.sin(f(x)).sum()), in_axes=axis, out_axes=axis))(rows)
+
+    close(per_example_gradients(StoppedTanh.apply), per_example_gradients(jnp.tanh))

@@ -235,6 +235,31 @@ def test_a_kept_ctx_raises_on_every_use_after_the_call():
                 use(ctx)
 
 
+def test_a_kept_ctx_keeps_its_underscore_attributes_readable():
+    # Only the user's public attributes (possibly tracers of the finished trace) are guarded.
+    kept = []
+
+    class Keep(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx._note = "kept"
+            ctx.k = 2.0
+            kept.append(ctx)
+            return x * ctx.k
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.k
+
+    Keep.apply(jnp.ones(2))
+    (ctx,) = kept
+    assert ctx._note == "kept"
+    with pytest.raises(RuntimeError, match=r"Keep: ctx\.k was used after the call"):
+        ctx.k  # noqa: B018
+    with pytest.raises(RuntimeError, match=r"Keep: ctx\.missing was used after the call"):
+        ctx.missing  # noqa: B018
+
+
 def test_an_array_kept_from_forward_fails_with_vjpkits_explanation_when_passed_back():
     kept = []
 

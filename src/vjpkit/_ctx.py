@@ -37,7 +37,8 @@ class FunctionCtx:
     """
 
     # Internal state in slots; user attributes go to ``__dict__``, which is
-    # exactly the set of attributes carried to backward.
+    # exactly the set of attributes carried to backward. vjpkit writes the
+    # slots with ``_set`` (``object.__setattr__``), past the user-facing check.
     __slots__ = (
         "_vjpkit_name",
         "_vjpkit_method",
@@ -51,22 +52,24 @@ class FunctionCtx:
         "_vjpkit_inputs",
         "_vjpkit_in_jvp",
         "_vjpkit_host",
+        "_vjpkit_left",
         "__dict__",
     )
 
     def __init__(self, name: str, needs_input_grad: tuple[bool, ...], inputs: tuple = ()):
-        self._vjpkit_name = name
-        self._vjpkit_method = "forward"
-        self._vjpkit_open = True
-        self._vjpkit_saved: tuple = ()
-        self._vjpkit_saved_forward: tuple = ()
-        self._vjpkit_needs = needs_input_grad
-        self._vjpkit_non_differentiable: tuple = ()
-        self._vjpkit_dirty: tuple = ()
-        self._vjpkit_materialize = True
-        self._vjpkit_inputs = inputs
-        self._vjpkit_in_jvp = False
-        self._vjpkit_host: Any = None  # a host Function's own residuals (see _host.py)
+        _set(self, "_vjpkit_name", name)
+        _set(self, "_vjpkit_method", "forward")
+        _set(self, "_vjpkit_open", True)
+        _set(self, "_vjpkit_saved", ())
+        _set(self, "_vjpkit_saved_forward", ())
+        _set(self, "_vjpkit_needs", needs_input_grad)
+        _set(self, "_vjpkit_non_differentiable", ())
+        _set(self, "_vjpkit_dirty", ())
+        _set(self, "_vjpkit_materialize", True)
+        _set(self, "_vjpkit_inputs", inputs)
+        _set(self, "_vjpkit_in_jvp", False)
+        _set(self, "_vjpkit_host", None)  # a host Function's own residuals (see _host.py)
+        _set(self, "_vjpkit_left", None)  # the user's attributes, once closed
 
     # -- lifetime --------------------------------------------------------
 
@@ -80,18 +83,11 @@ class FunctionCtx:
                 "instead of keeping the ctx itself."
             )
 
-    def __getattribute__(self, name: str) -> Any:
-        # A user attribute (ctx.mask = m) of a finished call would be a tracer
-        # of a finished trace: reading it raises here, not later inside JAX.
-        # (Runs while JAX traces only, never per call of a compiled program.)
-        if name[0] != "_" and not object.__getattribute__(self, "_vjpkit_open"):
-            if name in object.__getattribute__(self, "__dict__"):
-                object.__getattribute__(self, "_check_open")(name)
-        return object.__getattribute__(self, name)
-
     def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes that do not exist.
-        if not object.__getattribute__(self, "_vjpkit_open"):
+        # Only reached for attributes that do not exist, which includes the
+        # user's attributes once the call has finished (closing moves them
+        # out): one of those would be a tracer of a finished trace.
+        if not self._vjpkit_open:
             self._check_open(name)
         raise AttributeError(
             f"{self._vjpkit_name}.{self._vjpkit_method}: ctx has no attribute "
@@ -101,7 +97,7 @@ class FunctionCtx:
     def __setattr__(self, name: str, value: Any) -> None:
         if not name.startswith("_vjpkit_"):
             self._check_open(name)
-        object.__setattr__(self, name, value)
+        _set(self, name, value)
 
     # -- saving ----------------------------------------------------------
 
@@ -119,12 +115,12 @@ class FunctionCtx:
     def save_for_backward(self, *xs: Any) -> None:
         """Saves arrays (or ``None``) for ``backward``; the last call wins."""
         self._check_open("save_for_backward")
-        self._vjpkit_saved = self._check_saveable("save_for_backward", xs)
+        _set(self, "_vjpkit_saved", self._check_saveable("save_for_backward", xs))
 
     def save_for_forward(self, *xs: Any) -> None:
         """Saves arrays (or ``None``) for ``jvp``; the last call wins."""
         self._check_open("save_for_forward")
-        self._vjpkit_saved_forward = self._check_saveable("save_for_forward", xs)
+        _set(self, "_vjpkit_saved_forward", self._check_saveable("save_for_forward", xs))
 
     @property
     def saved_tensors(self) -> tuple:
@@ -138,7 +134,7 @@ class FunctionCtx:
         warnings.warn(
             f"{self._vjpkit_name}.{self._vjpkit_method}: 'saved_variables' is deprecated; use 'saved_tensors'",
             DeprecationWarning,
-            stacklevel=3,  # the user's line (through __getattribute__)
+            stacklevel=2,  # the user's line
         )
         return self.saved_tensors
 
@@ -162,12 +158,12 @@ class FunctionCtx:
                     "outputs are static and carry no gradient anyway; pass "
                     "only the output arrays that should carry none."
                 )
-        self._vjpkit_non_differentiable = outputs
+        _set(self, "_vjpkit_non_differentiable", outputs)
 
     def set_materialize_grads(self, value: bool) -> None:
         """False: absent output gradients reach backward as None, not zeros."""
         self._check_open("set_materialize_grads")
-        self._vjpkit_materialize = bool(value)
+        _set(self, "_vjpkit_materialize", bool(value))
 
     def mark_dirty(self, *inputs: Any) -> None:
         """Declares that forward returns new values of these inputs.
@@ -187,11 +183,31 @@ class FunctionCtx:
                     "whose new value forward returns (x, not the result of "
                     "x.at[i].set(v)); a new array needs no marking."
                 )
-        self._vjpkit_dirty = inputs
+        _set(self, "_vjpkit_dirty", inputs)
 
 
 # ---------------------------------------------------------------------------
 # The life cycle: made, run, closed; what forward left carried to backward and jvp.
+
+
+_set = object.__setattr__
+
+
+def close(ctx: FunctionCtx) -> None:
+    """Ends ``ctx``'s call: any later use raises, reading a user attribute included.
+
+    The user's attributes move out of ``__dict__`` (``forwarded`` still
+    finds them), so that reading one falls through to ``__getattr__``,
+    which raises; names starting with ``_`` stay readable.
+    """
+    _set(ctx, "_vjpkit_open", False)
+    attributes = ctx.__dict__
+    left = dict(attributes)
+    _set(ctx, "_vjpkit_left", left)
+    if attributes:
+        kept = {name: value for name, value in left.items() if name[0] == "_"}
+        attributes.clear()
+        attributes.update(kept)
 
 
 @contextlib.contextmanager
@@ -200,7 +216,7 @@ def closing(ctx: FunctionCtx) -> Iterator[FunctionCtx]:
     try:
         yield ctx
     finally:
-        ctx._vjpkit_open = False
+        close(ctx)
 
 
 def call_forward(ctx: FunctionCtx, signature: Any, forward: Callable, setup_context: Callable | None,
@@ -214,7 +230,7 @@ def call_forward(ctx: FunctionCtx, signature: Any, forward: Callable, setup_cont
         return signature.call(forward, (ctx,), values)
     out = signature.call(forward, (), values)
     if setup:
-        ctx._vjpkit_method = "setup_context"
+        _set(ctx, "_vjpkit_method", "setup_context")
         setup_context(ctx, values, out)
     return out
 
@@ -244,31 +260,38 @@ class Forwarded(NamedTuple):
 
 def forwarded(ctx: FunctionCtx, forward_mode: bool = False) -> Forwarded:
     """What ``ctx``'s forward left; ``save_for_forward``'s arrays only for ``forward_mode``."""
+    left = ctx._vjpkit_left
     carried = Carried(
         ctx._vjpkit_saved,
         ctx._vjpkit_saved_forward if forward_mode else (),
-        dict(ctx.__dict__),
+        dict(ctx.__dict__) if left is None else left,
         ctx._vjpkit_host,
     )
     return Forwarded(carried, ctx._vjpkit_non_differentiable, ctx._vjpkit_dirty, ctx._vjpkit_materialize)
 
 
+def dirty_of(ctx: FunctionCtx) -> tuple:
+    """The inputs forward marked dirty (``ctx.mark_dirty``)."""
+    return ctx._vjpkit_dirty
+
+
 def rule_ctx(name: str, method: str, needs: tuple[bool, ...], carried: Carried, materialize: bool) -> FunctionCtx:
     """A new ctx for ``backward`` or ``jvp`` (``method``), holding what forward left."""
     ctx = FunctionCtx(name, needs)
-    ctx._vjpkit_method = method
-    ctx._vjpkit_in_jvp = method == "jvp"
-    ctx._vjpkit_saved = carried.saved
-    ctx._vjpkit_saved_forward = carried.saved_forward
-    ctx._vjpkit_materialize = materialize
-    ctx._vjpkit_host = carried.host
-    ctx.__dict__.update(carried.attributes)
+    _set(ctx, "_vjpkit_method", method)
+    _set(ctx, "_vjpkit_in_jvp", method == "jvp")
+    _set(ctx, "_vjpkit_saved", carried.saved)
+    _set(ctx, "_vjpkit_saved_forward", carried.saved_forward)
+    _set(ctx, "_vjpkit_materialize", materialize)
+    _set(ctx, "_vjpkit_host", carried.host)
+    if carried.attributes:
+        ctx.__dict__.update(carried.attributes)
     return ctx
 
 
 def keep_host_residuals(ctx: FunctionCtx, residuals: Any) -> None:
     """Carries a host Function's own residuals to its backward, apart from the user's attributes."""
-    ctx._vjpkit_host = residuals
+    _set(ctx, "_vjpkit_host", residuals)
 
 
 def host_residuals(ctx: FunctionCtx) -> Any:

@@ -15,6 +15,7 @@ primal, forward and backward rules run the user's methods, and one
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import threading
 import warnings
@@ -56,12 +57,17 @@ class _Program(Program):
         # The differentiable function of the array leaves, returning Packed.
         self.differentiable: Callable
         if spec.jvp is None:
-            self.differentiable = jax.custom_vjp(_named(self.primal, spec.name))
-            self.differentiable.defvjp(
+            primal, fwd, bwd = (
+                _named(self.primal, spec.name),
                 _named(self._fwd, f"{spec.name}.forward"),
                 _named(self._bwd, f"{spec.name}.backward"),
-                symbolic_zeros=True,
             )
+            # JAX would work these out anew on every call while tracing (the same each time).
+            n_arrays = len(layout.dynamic)
+            for fn, role in ((primal, "fun"), (fwd, "fwd"), (bwd, "bwd")):
+                _jax_internals.save_debug_info(fn, f"custom_vjp {role}", n_arrays)
+            self.differentiable = jax.custom_vjp(primal)
+            self.differentiable.defvjp(fwd, bwd, symbolic_zeros=True)
         else:
             self.differentiable = forward_mode_function(self)
         # The jit of _jit_body lives in the cache entry, not on the program: JAX's
@@ -96,7 +102,7 @@ class _Program(Program):
                 "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
                 "jax.jacfwd)."
             )
-        if _jax_internals.called_from_forward_mode() or _jax_internals.called_from_linearize():
+        if _jax_internals.forward_rule_called_for_forward_mode():
             raise _no_forward_mode(spec)
         arrays = as_arrays([p.value for p in primals])  # eager runs pass weakly typed Python scalars
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
@@ -146,7 +152,11 @@ def _named(fn: Callable, name: str) -> Callable:
         return fn(*args)
 
     named.__name__ = named.__qualname__ = name
+    named.__signature__ = _ANY_ARGUMENTS  # type: ignore[attr-defined]  # read by JAX on each call, never built
     return named
+
+
+_ANY_ARGUMENTS = inspect.signature(lambda *args: None)
 
 
 # ---------------------------------------------------------------------------

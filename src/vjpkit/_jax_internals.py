@@ -216,6 +216,7 @@ def is_forward_mode_of_custom_vjp_error(e: BaseException) -> bool:
 # ``jax._src.core.typeof`` from JAX 0.5 (``get_aval`` is gone by 0.10),
 # ``get_aval`` in JAX 0.4.38.
 _aval: Callable[[Any], Any] = getattr(_core, "typeof", None) or _require(_core, "get_aval", "jax._src.core")
+aval_of = _aval  # for modules reading several fields of one array's type
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -354,6 +355,30 @@ def called_from_linearize(max_depth: int = 32) -> bool:
             return not getattr(frame.f_locals.get("self"), "is_vjp", True)
         frame = frame.f_back
     return False
+
+
+def forward_rule_called_for_forward_mode(max_depth: int = 32) -> bool:
+    """``called_from_forward_mode() or called_from_linearize()``, in one walk up the callers.
+
+    Why: a ``custom_vjp`` forward rule asks this on every call while JAX
+    traces; one walk of the same frames answers both.
+    """
+    if not _direct_linearize.value:
+        return called_from_forward_mode(max_depth + 1) or called_from_linearize(max_depth + 1)
+    jvp_frame = linearize_frame = None
+    frame: Any = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        code = frame.f_code
+        if jvp_frame is None and code is _JVP_CUSTOM_VJP_CODE:
+            jvp_frame = frame
+        elif linearize_frame is None and code is _LINEARIZE_CUSTOM_VJP_CODE:
+            linearize_frame = frame
+        frame = frame.f_back
+    if jvp_frame is not None and not _linearizing_by_jvp(jvp_frame):
+        return True
+    return linearize_frame is not None and not getattr(linearize_frame.f_locals.get("self"), "is_vjp", True)
 
 
 def linearizing() -> bool:
@@ -594,3 +619,44 @@ _jit_primitive = getattr(_pjit, "jit_p", None) or _require(_pjit, "pjit_p", "jax
 # ``remat_p`` (named "remat2") is in jax._src.ad_checkpoint in every supported JAX, public only in newer ones.
 _remat_primitive = _require(_require_module("jax._src.ad_checkpoint"), "remat_p", "jax._src.ad_checkpoint")
 CALL_PRIMITIVES = (_jit_primitive, _remat_primitive)
+
+# ---------------------------------------------------------------------------
+# Equation parameters JAX's caches hold weakly (_tie.py).
+
+
+def hold_weakly_in_caches(cls: type) -> None:
+    """Makes JAX's caches keyed by equation parameters hold instances of ``cls`` weakly.
+
+    Why: JAX 0.7 and later cache abstract evaluation by parameters, holding
+    other parameters strongly until evicted; a parameter that refers to a
+    program would keep it alive after vjpkit's cache (and every jaxpr) let
+    it go. Older JAX has no such cache, so there is nothing to register.
+    """
+    weak_types = getattr(_require_module("jax._src.util"), "weakref_cache_key_types", None)
+    if weak_types is not None:
+        weak_types.add(cls)
+
+
+# ---------------------------------------------------------------------------
+# JAX's debug info of a function, computed once (_function.py).
+
+_api_util = _require_module("jax._src.api_util")
+# JAX 0.7 and later compute a function's debug info (its name, source line
+# and argument names, read by error messages) on every call of a custom_vjp,
+# with ``inspect.signature`` and a flattening of the arguments, unless the
+# function carries it precomputed; older JAX has no such attribute.
+_DEBUG_INFO_CAN_BE_SAVED = (
+    hasattr(_api_util, "save_wrapped_fun_debug_info")
+    and "__fun_debug_info__" in _api_util.debug_info.__code__.co_consts
+)
+
+
+class _Leaf:
+    """An argument that is one leaf (an array's stand-in)."""
+
+
+def save_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
+    """Gives ``fn`` (always called with ``n_args`` arrays) the debug info JAX would compute on each call."""
+    if _DEBUG_INFO_CAN_BE_SAVED:
+        leaf = _Leaf()
+        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaf,) * n_args, {}))

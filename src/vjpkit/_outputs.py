@@ -48,7 +48,13 @@ class Packed:
 jax.tree_util.register_dataclass(Packed, data_fields=["arrays"], meta_fields=["layout"])
 
 
+# The layout of a single array output, the common case: built once.
+_ONE_ARRAY = partition(0, lambda leaf: True)[0]
+
+
 def pack_outputs(owner: str, out: Any) -> Packed:
+    if is_array(out):
+        return Packed((as_jax_leaf(out),), _ONE_ARRAY)
     if out is None:
         raise TypeError(
             f"{owner}.forward returned None: a Function must return at least one array. "
@@ -65,6 +71,8 @@ def pack_outputs(owner: str, out: Any) -> Packed:
 
 def differentiable_outputs(out: Any, non_differentiable: Sequence[Any]) -> tuple[bool, ...]:
     """Per array leaf of forward's output: inexact and not marked non-differentiable."""
+    if not non_differentiable and is_array(out):
+        return (is_differentiable_dtype(out.dtype),)
     marked = {id(x) for x in non_differentiable}
     return tuple(
         id(leaf) not in marked and is_differentiable_dtype(leaf.dtype)
@@ -91,6 +99,8 @@ def output_cotangents(
             grads.append(ct)
         else:
             grads.append(jnp.zeros(shape, dtype) if materialize else None)
+    if layout is _ONE_ARRAY:
+        return (grads[0],)
     structured = layout.combine(grads, keep_static=False)
     return tuple(structured) if layout.is_tuple() else (structured,)
 
@@ -162,7 +172,7 @@ def check_backward_outputs(
     for i, (treedef, grad) in enumerate(zip(param_treedefs, result, strict=True)):
         n_leaves = treedef.num_leaves
         kinds = leaf_kinds[leaf : leaf + n_leaves]
-        where = f"input {i} ({names[i]!r})"
+        where = _InputName(i, names[i])  # formatted only in an error message
         if grad is None:
             grad_leaves = [None] * n_leaves
         else:
@@ -182,7 +192,7 @@ def check_backward_outputs(
                     "allowed for any part)."
                 ) from None
         for j, (kind, g) in enumerate(zip(kinds, grad_leaves, strict=True)):
-            at = where if n_leaves == 1 else f"{where} at leaf {j}"
+            at = where if n_leaves == 1 else _InputName(i, names[i], j)
             if kind is None:
                 if g is not None:
                     raise TypeError(
@@ -213,7 +223,20 @@ def check_backward_outputs(
     return cotangents
 
 
-def _fit_shape(owner: str, method: str, at: str, g: Any, shape: tuple) -> Any:
+class _InputName:
+    """``input i ('name')`` (``at leaf j``), as error messages name a gradient's place."""
+
+    __slots__ = ("i", "name", "leaf")
+
+    def __init__(self, i: int, name: str, leaf: int | None = None):
+        self.i, self.name, self.leaf = i, name, leaf
+
+    def __str__(self) -> str:
+        where = f"input {self.i} ({self.name!r})"
+        return where if self.leaf is None else f"{where} at leaf {self.leaf}"
+
+
+def _fit_shape(owner: str, method: str, at: object, g: Any, shape: tuple) -> Any:
     """Sums a broadcast gradient down to the input's shape (PyTorch's rule)."""
     g_shape = tuple(g.shape)
     if g_shape == shape:
@@ -255,7 +278,7 @@ def _fit_varying(g: Any, varying: frozenset) -> Any:
     return g
 
 
-def _fit_dtype(owner: str, method: str, at: str, g: Any, dtype: Any) -> Any:
+def _fit_dtype(owner: str, method: str, at: object, g: Any, dtype: Any) -> Any:
     """Casts a gradient to the input's dtype; complex for a real input raises."""
     if g.dtype == dtype:
         return g

@@ -13,10 +13,9 @@ the ``custom_vjp`` rules (``_function.py``) and the forward-mode rule
 
 from __future__ import annotations
 
-import contextlib
 import linecache
 import os
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,8 @@ from jax.errors import (
 )
 
 from . import _anomaly, _host, _jax_internals, _sharding
-from ._args import Signature, split_residuals
-from ._ctx import FunctionCtx, call_forward, closing, forwarded, is_array, method_of, rule_ctx
+from ._args import Signature, as_jax_leaf, split_residuals
+from ._ctx import Carried, FunctionCtx, call_forward, close, dirty_of, forwarded, is_array, method_of, rule_ctx
 from ._once import call_without_derivative, is_once_differentiable
 from ._outputs import (
     Packed,
@@ -125,39 +124,45 @@ _LIBRARY_DIRS = tuple(
 ) + (os.path.dirname(__file__) + os.sep,)
 
 
-@contextlib.contextmanager
-def naming_traced_values(owner: str, method: Callable[[], str]) -> Iterator[None]:
-    """Turns JAX's errors for a traced array used as a concrete value into vjpkit's.
+def run_user_method(owner: str, ctx: FunctionCtx, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``, a user's method: named ``owner.<method>`` in profiles, ``ctx`` closed after.
 
-    ``method()`` names the user's method that was running. The user's methods
-    run while JAX traces, so their arrays have no values yet: NumPy calls,
-    ``.item()``/``float()``/``int()`` and a Python ``if`` on one fail there.
+    The user's methods run while JAX traces, so their arrays have no values
+    yet: NumPy calls, ``.item()``/``float()``/``int()`` and a Python ``if``
+    on one fail there, with JAX's errors turned into vjpkit's, naming the
+    method (``method_of(ctx)``: forward, setup_context, backward or jvp).
     """
     try:
-        yield
-    except TracerArrayConversionError as e:
-        name = method()
-        raise TypeError(
+        with profiled(owner, method_of(ctx)):
+            return fn(*args)
+    except (TracerArrayConversionError, TracerBoolConversionError, ConcretizationTypeError,
+            TracerIntegerConversionError) as e:
+        raise _traced_value_error(owner, method_of(ctx), e) from e
+    finally:
+        close(ctx)
+
+
+def _traced_value_error(owner: str, name: str, e: Exception) -> TypeError:
+    """vjpkit's error for JAX's ``e``: a traced array used as a concrete value in ``owner.name``."""
+    if isinstance(e, TracerArrayConversionError):
+        return TypeError(
             f"{owner}.{name} converted a traced JAX array to NumPy. {name} runs while "
             "JAX traces, so its arrays are tracers, not concrete values: write it with jax.numpy, or "
             f"declare the Function host-side (@vjpkit.function(host=True)) to run NumPy code.{_user_line(e)}"
-        ) from e
-    except TracerBoolConversionError as e:
-        name = method()
-        raise TypeError(
+        )
+    if isinstance(e, TracerBoolConversionError):
+        return TypeError(
             f"{owner}.{name} used a traced array as a Python bool (an if, while, and/or, or assert on "
             f"an array's value). {name} runs while JAX traces, so its arrays have no "
             "values yet: select values with jnp.where(condition, x, y), branch with jax.lax.cond, "
             f"loop with jax.lax.while_loop.{_user_line(e)}"
-        ) from e
-    except (ConcretizationTypeError, TracerIntegerConversionError) as e:
-        name = method()
-        raise TypeError(
-            f"{owner}.{name} converted a traced array to a Python number (.item(), float(), int() or "
-            f"an index). {name} runs while JAX traces, so its arrays have no values "
-            "yet: keep the value an array (jnp.clip(x, -alpha, alpha) takes array bounds; jnp "
-            f"functions and arithmetic take arrays), or select values with jnp.where.{_user_line(e)}"
-        ) from e
+        )
+    return TypeError(
+        f"{owner}.{name} converted a traced array to a Python number (.item(), float(), int() or "
+        f"an index). {name} runs while JAX traces, so its arrays have no values "
+        "yet: keep the value an array (jnp.clip(x, -alpha, alpha) takes array bounds; jnp "
+        f"functions and arithmetic take arrays), or select values with jnp.where.{_user_line(e)}"
+    )
 
 
 def _user_line(e: BaseException) -> str:
@@ -232,6 +237,33 @@ def as_arrays(xs: Sequence[Any]) -> tuple:
     return tuple(x if isinstance(x, jax.Array) else jnp.asarray(x) for x in xs)
 
 
+# Layouts of what forward left when that is only saved arrays (and None):
+# keyed by where the Nones are, built once each.
+_SAVED_ONLY_LAYOUTS: dict[tuple, Partition] = {}
+_SAVED_ONLY_NONES: dict[Partition, tuple] = {}  # the reverse
+
+
+def _split_carried(carried: Carried) -> tuple[Partition, tuple]:
+    """``split_residuals(carried)``, without flattening it in the common case (saved arrays only)."""
+    if carried.attributes or carried.host is not None or carried.saved_forward:
+        return split_residuals(carried)
+    nones = tuple(x is None for x in carried.saved)
+    layout = _SAVED_ONLY_LAYOUTS.get(nones)
+    if layout is None:
+        layout = _SAVED_ONLY_LAYOUTS[nones] = split_residuals(carried)[0]
+        _SAVED_ONLY_NONES[layout] = nones
+    return layout, tuple(as_jax_leaf(x) for x in carried.saved if x is not None)
+
+
+def _combine_carried(layout: Partition, arrays: Sequence[Any]) -> Carried:
+    """``layout.combine(arrays)``: what forward left, rebuilt from its arrays (directly for saved arrays only)."""
+    nones = _SAVED_ONLY_NONES.get(layout)
+    if nones is None:
+        return layout.combine(arrays)
+    it = iter(arrays)
+    return Carried(tuple(None if none else next(it) for none in nones), (), {}, None)
+
+
 class Program:
     """The user's methods for one static part of a call (``layout``), and their checks."""
 
@@ -244,6 +276,10 @@ class Program:
         owners = layout.owners()
         self.param_of_dynamic = tuple(owners[k][0] for k in layout.dynamic)
         self.n_params = n_values
+        # Every argument an array: the arguments are the arrays themselves, no rebuilding.
+        self.all_arrays = not layout.static and all(len(owner) == 2 and owner[1] == 0 for owner in owners) and all(
+            child.num_leaves == 1 and not child.children() for child in self.param_treedefs
+        )
 
     def needs_input_grad(self, perturbed: Any, arrays: Any) -> tuple[bool, ...]:
         """One flag per parameter: whether JAX differentiates any of its float leaves."""
@@ -255,7 +291,13 @@ class Program:
 
     def input_kinds(self, arrays: Any) -> tuple:
         """Per leaf of the bound arguments: None (static) or the array's type."""
-        kinds = [(*_kind(x), _jax_internals.varying_axes(x), _sharding.explicit_sharding(x)) for x in arrays]
+        kinds = []
+        for x in arrays:
+            aval = _jax_internals.aval_of(x)  # read once for all four
+            kinds.append((
+                tuple(aval.shape), aval.dtype, _jax_internals.aval_varying_axes(aval),
+                _sharding.explicit_sharding_of_type(aval),
+            ))
         return tuple(self.layout.leaves(kinds, keep_static=False))
 
     # -- forward -----------------------------------------------------------
@@ -266,12 +308,11 @@ class Program:
         return packed
 
     def run_forward(self, arrays: tuple, needs: tuple, forward_mode: bool = False) -> tuple[Packed, Residuals]:
-        """forward's outputs, and what backward (and, in ``forward_mode``, jvp) needs of it."""
-        arrays = as_arrays(arrays)
+        """forward's outputs, and what backward (and, in ``forward_mode``, jvp) needs of it (``arrays``: JAX arrays)."""
         packed, out, ctx = self._forward(arrays, needs)
         left = forwarded(ctx, forward_mode)
         self._check_static_attributes(left.carried.attributes, method_of(ctx))
-        layout, res_arrays = split_residuals(left.carried)
+        layout, res_arrays = _split_carried(left.carried)
         meta = ResidualMeta(
             layout, needs, differentiable_outputs(out, left.non_differentiable),
             tuple(_kind(a) for a in packed.arrays), left.materialize, self.input_kinds(arrays),
@@ -300,15 +341,16 @@ class Program:
 
     def _forward(self, arrays: tuple, needs: tuple) -> tuple[Packed, Any, FunctionCtx]:
         spec = self.spec
-        values = self.layout.combine(arrays)
+        values = tuple(arrays) if self.all_arrays else self.layout.combine(arrays)
         ctx = FunctionCtx(spec.name, needs, values)
         try:
-            with naming_traced_values(spec.name, lambda: method_of(ctx)), closing(ctx), profiled(spec.name, "forward"):
-                out = call_forward(ctx, spec.signature, spec.forward, spec.setup_context, values)
+            out = run_user_method(
+                spec.name, ctx, call_forward, ctx, spec.signature, spec.forward, spec.setup_context, values
+            )
         except _sharding.sharding_type_errors() as e:
             raise _sharding.forward_sharding_error(spec.name, method_of(ctx), e) from None
-        dirty = {id(x) for x in forwarded(ctx).dirty}
-        if dirty and any(id(leaf) in dirty for leaf in jax.tree_util.tree_leaves(out)):
+        dirty = dirty_of(ctx)
+        if dirty and not {id(x) for x in dirty}.isdisjoint(map(id, jax.tree_util.tree_leaves(out))):
             raise ValueError(
                 f"{spec.name}.forward marked an input dirty (ctx.mark_dirty) and "
                 "returned that same input object unchanged. JAX arrays are "
@@ -356,9 +398,8 @@ class Program:
     def _backward(self, meta: ResidualMeta, res_arrays: Sequence[Any], grads: tuple) -> list:
         spec = self.spec
         assert spec.backward is not None  # run_backward is reached only when backward exists
-        ctx = rule_ctx(spec.name, "backward", meta.needs, meta.layout.combine(res_arrays), meta.materialize)
-        with naming_traced_values(spec.name, lambda: "backward"), closing(ctx), profiled(spec.name, "backward"):
-            result = spec.backward(ctx, *grads)
+        ctx = rule_ctx(spec.name, "backward", meta.needs, _combine_carried(meta.layout, res_arrays), meta.materialize)
+        result = run_user_method(spec.name, ctx, spec.backward, ctx, *grads)
         cotangents = check_backward_outputs(
             spec.name, result, self.param_treedefs, self.names, meta.in_kinds, meta.needs
         )

@@ -84,10 +84,16 @@ def explicit_sharding(x: Any) -> Any:
     vjpkit keeps it from forward to backward (it is hashable, static data),
     to give ``x``'s gradient the same type.
     """
-    api = _jax_internals.sharding_api()
-    if api.get_abstract_mesh is None:
+    if _jax_internals.sharding_api().get_abstract_mesh is None:
         return None
-    sharding = getattr(jax.typeof(x), "sharding", None)
+    return explicit_sharding_of_type(jax.typeof(x))
+
+
+def explicit_sharding_of_type(aval: Any) -> Any:
+    """``explicit_sharding`` of an array of type ``aval`` (``None`` on a JAX without Explicit axes)."""
+    if _jax_internals.sharding_api().get_abstract_mesh is None:
+        return None
+    sharding = getattr(aval, "sharding", None)
     if sharding is None or not _explicit_axes(getattr(sharding, "mesh", None)):
         return None
     return sharding
@@ -150,9 +156,10 @@ def _mesh_of(api: _jax_internals.ShardingApi, args: Any) -> Any:
         return mesh
     for x in jax.tree_util.tree_leaves(args):
         if isinstance(x, jax.Array):
-            sharding = explicit_sharding(x)
-            if sharding is not None:
-                return sharding.mesh
+            # explicit_sharding(x), inlined: this runs for every leaf of every backward.
+            leaf_mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+            if _explicit_axes(leaf_mesh):
+                return leaf_mesh
     return None
 
 

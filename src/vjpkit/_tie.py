@@ -34,10 +34,11 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from . import _anomaly, _jax_internals, _sharding
-from ._ctx import _short_repr, closing, is_array, rule_ctx
+from ._ctx import _short_repr, is_array, rule_ctx
+from ._jax_internals import Primitive, ad, batching, mlir
 from ._linear_call import linear_call
 from ._outputs import Packed, is_differentiable_dtype
-from ._program import Program, ResidualMeta, Residuals, naming_traced_values, profiled
+from ._program import Program, ResidualMeta, Residuals, as_arrays, run_user_method
 
 
 class OwnDerivative:
@@ -97,8 +98,9 @@ class OwnDerivative:
                 tangent_leaves[d] = jnp.zeros(*self.in_avals[d])
         ctx = rule_ctx(self.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
         try:
-            with naming_traced_values(self.name, lambda: "jvp"), closing(ctx), profiled(self.name, "jvp"):
-                result = self.spec.jvp(ctx, *program.layout.combine(tangent_leaves, keep_static=False))
+            result = run_user_method(
+                self.name, ctx, self.spec.jvp, ctx, *program.layout.combine(tangent_leaves, keep_static=False)
+            )
         except _sharding.sharding_type_errors() as e:
             raise _sharding.forward_sharding_error(self.name, "jvp", e) from None
         tangents_out = self._check_jvp_outputs(result)
@@ -224,15 +226,32 @@ def tie_outputs(program: Program, arrays: tuple, packed: Packed, residuals: Resi
     if program.spec.host:
         return packed, residuals
     meta = residuals.meta
-    tied = [j for j, diff in enumerate(meta.differentiable) if diff]
-    input_ids = {id(x) for x in arrays}
-    output_of: dict[int, int] = {}  # id of an output array -> its position among the outputs
+    tied = tuple(j for j, diff in enumerate(meta.differentiable) if diff)
+    # The tie's operands: inputs, residuals and tied outputs, each array once
+    # (forward often saves its inputs, or the output it returns).
+    operands: list = []
+    operand_at: dict[int, int] = {}  # id of an array -> its position among the operands
+
+    def operand(x: Any) -> int:
+        at = operand_at.get(id(x))
+        if at is None:
+            at = operand_at[id(x)] = len(operands)
+            operands.append(x)
+        return at
+
+    inputs_at = tuple(map(operand, arrays))
+    n_inputs = len(operands)
+    residuals_at = tuple(map(operand, residuals.arrays))
+    outputs_at = tuple(operand(packed.arrays[j]) for j in tied)
+    output_of: dict[int, int] = {}  # operand of an output array (not an input) -> its position among the outputs
     for j, x in enumerate(packed.arrays):
-        if id(x) not in input_ids:  # an input returned as is keeps its own derivative when saved
-            output_of.setdefault(id(x), j)
-    saved = tuple((k, output_of[id(r)]) for k, r in enumerate(residuals.arrays) if id(r) in output_of)
-    tie = _Tie(program, meta, packed.layout, tuple(jnp.result_type(x) for x in arrays), tied, saved)
-    outputs, res = tie(arrays, residuals.arrays, [packed.arrays[j] for j in tied])
+        at = operand_at.get(id(x), n_inputs)
+        if at >= n_inputs:  # an input returned as is keeps its own derivative when saved
+            output_of.setdefault(at, j)
+    saved = tuple((k, output_of[at]) for k, at in enumerate(residuals_at) if at in output_of)
+    tie = _Tie(program, meta, packed.layout, tuple(x.dtype for x in arrays), tied, saved,
+               inputs_at, residuals_at, outputs_at)
+    outputs, res = tie(operands)
     by_position = dict(zip(tied, outputs, strict=True))
     all_outputs = tuple(by_position[j] if j in by_position else _constant(y) for j, y in enumerate(packed.arrays))
     return Packed(all_outputs, packed.layout), Residuals(tuple(res), meta)
@@ -241,60 +260,169 @@ def tie_outputs(program: Program, arrays: tuple, packed: Packed, residuals: Resi
 class _Tie:
     """``tie(inputs, residuals, outputs) = outputs``, with the Function's own derivative.
 
-    ``tied``: the positions of the differentiable outputs, the ones tied;
-    ``saved``: (residual position, output position) for each residual that
-    is an output.
+    The tie primitive's equation holds one (its parameter). Its operands
+    are the arrays of one forward run, each once: ``inputs_at``,
+    ``residuals_at`` and ``outputs_at`` give the operand of each input, of
+    each residual, and of each tied output. ``tied``: the positions of the
+    differentiable outputs, the ones tied; ``saved``: (residual position,
+    output position) for each residual that is an output. Two ties are
+    equal when every field is, so JAX's caches keyed by equation parameters
+    (abstract evaluation, lowering) answer for every call of a program.
     """
 
+    __slots__ = ("program", "meta", "out_layout", "in_dtypes", "tied", "saved", "inputs_at", "residuals_at",
+                 "outputs_at", "_key", "_hash", "__weakref__")
+
     def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_dtypes: tuple,
-                 tied: list, saved: tuple):
+                 tied: tuple, saved: tuple, inputs_at: tuple, residuals_at: tuple, outputs_at: tuple):
         self.program = program
         self.meta = meta
         self.out_layout = out_layout
         self.in_dtypes = in_dtypes
         self.tied = tied
         self.saved = saved
-        self.function = jax.custom_jvp(_identity_on_outputs)
-        self.function.defjvp(self.rule, symbolic_zeros=True)
+        self.inputs_at = inputs_at
+        self.residuals_at = residuals_at
+        self.outputs_at = outputs_at
+        self._key = (program, meta, out_layout, in_dtypes, tied, saved, inputs_at, residuals_at, outputs_at)
+        self._hash: int | None = None
 
-    def __call__(self, inputs: tuple, residuals: tuple, outputs: Sequence[Any]) -> tuple[list, list]:
+    def __eq__(self, other: Any) -> bool:
+        return self is other or (type(other) is _Tie and self._key == other._key)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(self._key)
+        return self._hash
+
+    def __call__(self, operands: Sequence[Any]) -> tuple[list, list]:
         """The differentiable outputs tied, and the residuals with each saved output tied."""
-        tied = self.function(tuple(inputs), tuple(residuals), list(outputs)) if self.tied else []
-        by_position = dict(zip(self.tied, tied, strict=True))
-        res = list(residuals)
-        for k, j in self.saved:
-            res[k] = by_position[j] if j in by_position else _constant(res[k])
+        tied = _tie_p.bind(*operands, tie=self) if self.tied else []
+        res = [operands[at] for at in self.residuals_at]
+        if self.saved:
+            by_position = dict(zip(self.tied, tied, strict=True))
+            for k, j in self.saved:
+                res[k] = by_position[j] if j in by_position else _constant(res[k])
         return tied, res
 
-    def rule(self, primals: tuple, tangents: tuple) -> tuple[list, list]:
-        inputs, residuals, outputs = primals
+    def rule(self, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
+        """The tie's JVP: outputs tied again, and their tangents by the Function's own derivative.
+
+        ``tangents`` has one per operand, ``ad.Zero`` where JAX knows it is zero.
+        """
+        inputs = [primals[at] for at in self.inputs_at]
         moving = [
-            d for d, t in enumerate(tangents[0])
-            if type(t) is not SymbolicZero and is_differentiable_dtype(self.in_dtypes[d])
+            d for d, at in enumerate(self.inputs_at)
+            if type(tangents[at]) is not ad.Zero and is_differentiable_dtype(self.in_dtypes[d])
         ]
         if not moving:
-            return outputs, [_jax_internals.symbolic_zero_like(y) for y in outputs]
+            outputs = [primals[at] for at in self.outputs_at]
+            return outputs, [ad.Zero(_jax_internals.tangent_aval(y)) for y in outputs]
         program, meta = self.program, self.meta
         perturbed = [d in moving for d in range(len(inputs))]
         needs = tuple(a or b for a, b in zip(meta.needs, program.needs_input_grad(perturbed, inputs), strict=True))
         # Tied again for the derivative after this one (this rule runs as
         # plain code under it): the outputs returned and the saved ones.
-        outputs, res = self(inputs, residuals, outputs)
+        outputs, res = self(primals)
         if needs != meta.needs:
             # The outer derivative moves an input that forward was told needs
             # no gradient (a gradient penalty's parameters): run forward again
             # as PyTorch would have, knowing every input that needs one.
-            packed, again = program.run_forward(tuple(inputs), needs)
+            packed, again = program.run_forward(as_arrays(inputs), needs)
             _, again = tie_outputs(program, tuple(inputs), packed, again)
             meta, res = again.meta, list(again.arrays)
         in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
         own = OwnDerivative(program, meta, self.out_layout, in_avals, moving)
         out_types = [_jax_internals.tangent_aval(y) for y in outputs]
-        return outputs, own.tangents(res, [tangents[0][d] for d in moving], out_types)
+        return outputs, own.tangents(res, [tangents[self.inputs_at[d]] for d in moving], out_types)
+
+    def __repr__(self) -> str:
+        return self.program.spec.name
 
 
-def _identity_on_outputs(inputs: tuple, residuals: tuple, outputs: list) -> list:
-    return list(outputs)
+class _BatchedTie:
+    """A tie under ``jax.vmap``: the unbatched tie's derivative, run under the same vmap.
+
+    ``dims``: the batch axis of each operand (None: not batched); the
+    outputs' operands are batched along axis 0.
+    """
+
+    __slots__ = ("inner", "dims", "size", "axis_names", "outputs_at", "__weakref__")
+
+    def __init__(self, inner: Any, dims: tuple, size: int, axis_names: dict):
+        self.inner = inner
+        self.dims = dims
+        self.size = size
+        self.axis_names = axis_names
+        self.outputs_at = inner.outputs_at
+
+    def rule(self, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
+        moving = [
+            at for at, t in enumerate(tangents) if type(t) is not ad.Zero and is_differentiable_dtype(t.dtype)
+        ]
+
+        def unbatched(primals: list, moving_tangents: list) -> tuple[list, list]:
+            full: list = [ad.Zero(_jax_internals.tangent_aval(p)) for p in primals]
+            for at, t in zip(moving, moving_tangents, strict=True):
+                full[at] = t
+            outputs, out_tangents = self.inner.rule(primals, full)
+            return list(outputs), [ad.instantiate_zeros(t) for t in out_tangents]
+
+        in_axes = (list(self.dims), [self.dims[at] for at in moving])
+        return jax.vmap(unbatched, in_axes=in_axes, axis_size=self.size, **self.axis_names)(
+            list(primals), [tangents[at] for at in moving]
+        )
+
+    def __repr__(self) -> str:
+        return f"vmapped {self.inner!r}"
+
+
+# The tie as a primitive: one equation per forward run, which lowers to
+# nothing (its outputs are some of its operands). A custom_jvp would trace a
+# nested jaxpr per call and lower it as a function of its own.
+_tie_p = Primitive("vjpkit_tie")
+_tie_p.multiple_results = True
+
+
+def _tie_impl(*args: Any, tie: Any) -> list:
+    return [args[at] for at in tie.outputs_at]
+
+
+def _tie_abstract_eval(*avals: Any, tie: Any) -> list:
+    return [avals[at] for at in tie.outputs_at]
+
+
+def _tie_lowering(ctx: Any, *args: Any, tie: Any) -> list:
+    return [args[at] for at in tie.outputs_at]
+
+
+def _tie_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, tie: Any) -> tuple[list, list]:
+    return tie.rule(primals, tangents)
+
+
+def _tie_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, tie: Any) -> tuple[list, list]:
+    axis_names = _jax_internals.vmap_axis_names(axis_data)
+    if all(d is None for d in dims) and axis_names["axis_name"] is None:
+        out = _tie_p.bind(*args, tie=tie)
+        return out, [None] * len(out)
+    # Every output batched: its derivative may vary along the batch even where its value does not.
+    size = axis_data.size
+    args, dims = list(args), list(dims)
+    for at in set(tie.outputs_at):
+        args[at], dims[at] = batching.bdim_at_front(args[at], dims[at], size), 0
+    out = _tie_p.bind(*args, tie=_BatchedTie(tie, tuple(dims), size, axis_names))
+    return out, [0] * len(out)
+
+
+_tie_p.def_impl(_tie_impl)
+_tie_p.def_abstract_eval(_tie_abstract_eval)
+mlir.register_lowering(_tie_p, _tie_lowering)
+ad.primitive_jvps[_tie_p] = _tie_jvp
+batching.fancy_primitive_batchers[_tie_p] = _tie_batch
+# JAX's caches keyed by equation parameters must not keep a tie (and its
+# program) alive after the jaxprs holding it are gone.
+_jax_internals.hold_weakly_in_caches(_Tie)
+_jax_internals.hold_weakly_in_caches(_BatchedTie)
 
 
 def _constant(x: Any) -> Any:
