@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 from jax.extend.core import primitives as P
 
+import vjpkit
 from vjpkit._gradcheck import _compile_lowered
 from vjpkit._jax_internals import enable_x64
 from vjpkit._numpy_eval import _SUBJAXPR_RULES, TABLE, numpy_evaluator
@@ -294,7 +295,7 @@ def test_every_primitive_in_the_table_has_cases():
 
 # The primitives with sub-jaxprs that the tests at the end of this module evaluate.
 SUBJAXPR_TESTED = {"jit", "pjit", "cond", "while", "scan", "remat2", "custom_jvp_call", "custom_vjp_call",
-                   "custom_vjp_call_jaxpr", "closed_call", "call"}
+                   "custom_vjp_call_jaxpr", "closed_call", "call", "vjpkit_tie"}
 
 
 def test_every_primitive_evaluated_through_its_sub_jaxprs_is_tested():
@@ -432,3 +433,24 @@ def test_call_primitives_are_evaluated_through_their_jaxprs(call):
         (got,) = run([POS])
     assert not run.fallbacks
     np.testing.assert_allclose(got, np.sin(POS) * POS + 1.0, rtol=1e-15)
+
+
+class Cube(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+def test_a_functions_tie_is_evaluated_as_the_outputs_it_passes_on():
+    f = jax.value_and_grad(lambda x: Cube.apply(x).sum())
+    assert "vjpkit_tie" in _names_in(jax.make_jaxpr(f)(POS).jaxpr)  # ties Cube's outputs to its own rules
+    (value, grad), fallbacks = evaluated(f, POS)
+    assert not fallbacks
+    np.testing.assert_allclose(value, np.sum(POS**3), rtol=1e-14)
+    np.testing.assert_allclose(grad, 3 * POS**2, rtol=1e-14)

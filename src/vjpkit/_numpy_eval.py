@@ -18,9 +18,10 @@ The key differences to ``jax.core.eval_jaxpr``:
   no JAX dispatch and no per-primitive compile happens.
 - Call-like primitives (``jit``, ``closed_call``, ``remat``, custom
   derivative calls, ``cond``, ``while``, ``scan``) are evaluated through
-  their sub-jaxprs, with Python control flow.
+  their sub-jaxprs, with Python control flow. vjpkit's tie, which every
+  Function call under a derivative leaves in the jaxpr, selects operands.
 - Every other primitive (gather, scatter, linear algebra, callbacks,
-  random bits, vjpkit's own primitives, anything unknown) falls back to
+  random bits, vjpkit's ``linear_call``, anything unknown) falls back to
   ``primitive.bind`` on the same values: JAX's own eager dispatch. Always
   correct, only slower. So are equations whose values have dtypes NumPy
   does not compute with as XLA does (bfloat16, float8, PRNG keys), and
@@ -44,6 +45,7 @@ from jax.extend import core as jex_core
 from jax.extend.core import primitives as P
 
 from . import _jax_internals
+from ._tie import TIE_PRIMITIVE
 
 # Dtypes NumPy computes with as XLA's CPU backend does (to rounding).
 _NATIVE = frozenset(
@@ -637,6 +639,12 @@ def _scan_rule(planner: _Planner, params: dict) -> Callable:
     return scan
 
 
+def _tie_rule(planner: _Planner, params: dict) -> Callable:
+    """vjpkit's tie (``_tie.py``): its outputs are some of its operands (its rules only matter to AD)."""
+    outputs_at = params["tie"].outputs_at
+    return lambda args: [args[at] for at in outputs_at]
+
+
 def _subjaxpr_rules() -> dict[Any, Callable]:
     by_name = {
         "jit": _call_rule("jaxpr"),
@@ -651,7 +659,9 @@ def _subjaxpr_rules() -> dict[Any, Callable]:
         "while": _while_rule,
         "scan": _scan_rule,
     }
-    return {_PRIMITIVES[name]: rule for name, rule in by_name.items() if name in _PRIMITIVES}
+    rules = {_PRIMITIVES[name]: rule for name, rule in by_name.items() if name in _PRIMITIVES}
+    rules[TIE_PRIMITIVE] = _tie_rule
+    return rules
 
 
 _SUBJAXPR_RULES = _subjaxpr_rules()

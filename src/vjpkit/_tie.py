@@ -382,6 +382,7 @@ class _BatchedTie:
 # nested jaxpr per call and lower it as a function of its own.
 _tie_p = Primitive("vjpkit_tie")
 _tie_p.multiple_results = True
+TIE_PRIMITIVE = _tie_p  # gradcheck's host evaluator evaluates it as what it is, a selection of its operands
 
 
 def _tie_impl(*args: Any, tie: Any) -> list:
