@@ -90,11 +90,12 @@ _CACHE_SIZE = 64
 # Jacobians up to this many elements in all come back from the first program,
 # ready for a report: a failed check then compiles no second program.
 _REPORT_ELEMENTS = 1 << 16
-# XLA's CPU compiler spends most of a checking program's compile time in LLVM,
-# one module per fused kernel (a Python loop in fn unrolls into many); kernels
-# emitted without the fusion emitters and unoptimized compile several times
-# faster, and the checking program's run time is negligible.
-_CPU_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
+# A checking program is compiled only once it has run often (see _Program), so
+# its run time counts: without XLA's fusion emitters it compiles 1.3x faster and
+# runs as fast (tutorial LinearFunction: 0.11 s, 4.4 ms a run, against 0.15 s,
+# 4.8 ms by default); LLVM -O0 as well would compile 2.7x faster but run 3x slower
+# (0.04 s, 13.4 ms).
+_CPU_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 _BATCHED_GRAD_SAMPLES = 3
 
 
@@ -978,11 +979,12 @@ class _Program:
 
 # What lowering and compiling a checking program costs on the CPU, in seconds: a fixed part plus
 # a part per jaxpr equation (sub-jaxprs' included). Fitted to programs measured on the 2-core
-# development machine (JAX 0.10.2, _CPU_COMPILE_OPTIONS): sin 47 equations 0.10 s, the tutorial's
-# LinearFunction 89 equations 0.09 s, entmax's bisection (benchmarks/gradcheck.py) at 5, 10, 20
-# and 50 steps 369, 624, 1134 and 2664 equations 0.24, 0.42, 0.76 and 2.2-2.5 s.
+# development machine (JAX 0.10.2, _CPU_COMPILE_OPTIONS): sin 43 equations 0.05 s, the tutorial's
+# LinearFunction 89 equations 0.11 s, entmax's bisection (benchmarks/gradcheck.py) at 5, 10, 20
+# and 50 steps 369, 624, 1134 and 2664 equations 0.21, 0.38, 0.77 and 3.2 s. The estimate is
+# within 2x of each; the ski-rental bound only needs it within a factor.
 _COMPILE_FIXED_S = 0.05
-_COMPILE_PER_EQUATION_S = 0.00075
+_COMPILE_PER_EQUATION_S = 0.0009
 
 
 def _compile_estimate(jaxpr: Any) -> float:
