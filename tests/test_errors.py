@@ -320,7 +320,7 @@ def test_jvp_of_a_checkpointed_function_without_jvp_raises():
 
 @pytest.mark.skipif(
     not _jax_internals.LINEARIZE_IS_TOLD_FROM_VJP,
-    reason="this JAX lacks LinearizeTrace.is_vjp (jax.linearize is told from jax.vjp from JAX 0.10 on)",
+    reason="this JAX lacks LinearizeTrace.is_vjp (jax.linearize is told from jax.vjp from JAX 0.9 on)",
 )
 def test_linearize_of_a_function_without_jvp_raises():
     f = _reverse_only().apply
@@ -331,7 +331,7 @@ def test_linearize_of_a_function_without_jvp_raises():
 
 @pytest.mark.skipif(
     not _jax_internals.LINEARIZE_IS_TOLD_FROM_VJP,
-    reason="this JAX lacks LinearizeTrace.is_vjp (jax.linearize is told from jax.vjp from JAX 0.10 on)",
+    reason="this JAX lacks LinearizeTrace.is_vjp (jax.linearize is told from jax.vjp from JAX 0.9 on)",
 )
 def test_linearize_after_grad_of_the_same_function_raises_and_grad_still_works():
     f = _reverse_only().apply

@@ -161,7 +161,7 @@ def test_ordered_debug_print_in_jvp_and_backward_prints_in_program_order(capsys)
 
 # Reverse mode records a call to jvp without tracing it (grad never runs
 # jvp), so without its effects. Where JAX reuses that record to run the jvp,
-# the call runs in order from JAX 0.10 (jax.linearize) and 0.7 (jax.jvp after
+# the call runs in order from JAX 0.9 (jax.linearize) and 0.7 (jax.jvp after
 # jax.grad); older JAX raises vjpkit's error instead of JAX's KeyError.
 OLD_JAX_ERROR = (
     r"RecordingSin\.jvp uses ordered effects .*reverse mode recorded.* Pass ordered=False in RecordingSin\.jvp"

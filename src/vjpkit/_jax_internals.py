@@ -517,9 +517,9 @@ def linearizing_for_reverse_mode() -> bool:
     it, but must not trace a Function's ``jvp`` when reverse mode only
     records the call to transpose it into ``backward`` (grad never runs jvp).
     With direct linearization (the default from JAX 0.7) a ``LinearizeTrace``
-    method is among the callers; from JAX 0.10 it says whether it linearizes
+    method is among the callers; from JAX 0.9 it says whether it linearizes
     for ``vjp`` or for ``jax.linearize``, whose linear function runs the
-    rule (JAX 0.7 to 0.9 cannot tell: both count as reverse mode). Before
+    rule (JAX 0.7 and 0.8 cannot tell: both count as reverse mode). Before
     (JAX 0.4.38 to 0.6, or with the flag off) reverse mode runs the rule
     under a ``JVPTrace`` over partial evaluation (``JaxprTrace``): directly,
     or around the ``jit``, ``checkpoint`` or ``scan`` whose JVP traces it.
@@ -542,7 +542,7 @@ def linearizing_for_reverse_mode() -> bool:
 _LinearizeTrace = _require(_require_module("jax._src.interpreters.ad"), "LinearizeTrace", "jax._src.interpreters.ad")
 # What reverse mode's record of a call, made without tracing its jvp (so
 # without its effects), is shared with: ``jax.linearize`` where
-# ``LinearizeTrace`` cannot say it linearizes for vjp (before JAX 0.10), and
+# ``LinearizeTrace`` cannot say it linearizes for vjp (before JAX 0.9), and
 # ``jax.jvp`` of a jitted function once ``jax.grad`` differentiated it, where
 # both build the jit's JVP jaxpr once (before JAX 0.7, without direct
 # linearization).
@@ -603,7 +603,7 @@ def batched_aval(aval: Any, size: int, axis_data: Any) -> Any:
 _UNMAPPED_AVAL_TAKES_AXIS_NAME = "axis_name" in _unmapped_aval.__code__.co_varnames[:2]
 
 
-# jax.linearize told apart from jax.vjp inside a LinearizeTrace (JAX 0.10 and
+# jax.linearize told apart from jax.vjp inside a LinearizeTrace (JAX 0.9 and
 # later); before, vjpkit cannot name the class when jax.linearize reaches a
 # backward-only Function, and JAX's own "can't apply forward-mode" error stands.
 LINEARIZE_IS_TOLD_FROM_VJP = LINEARIZE_KEEPS_ORDERED_EFFECTS

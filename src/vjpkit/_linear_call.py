@@ -141,10 +141,10 @@ def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name
         raise TypeError(
             f"{name}.jvp uses ordered effects ({', '.join(map(str, missing))}) in a call that "
             "reverse mode recorded without them (reverse mode never runs jvp, so it did not "
-            f"trace it), and JAX {_jax_internals.JAX_RELEASE} runs that record here: before JAX 0.10 "
+            f"trace it), and JAX {_jax_internals.JAX_RELEASE} runs that record here: before JAX 0.9 "
             "jax.linearize shares it, and before JAX 0.7 so does jax.jvp of a function that "
             f"jax.grad already differentiated. Pass ordered=False in {name}.jvp, or use "
-            "JAX 0.10 or later."
+            "JAX 0.9 or later."
         )
     return mlir.lower_fun(jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
 
