@@ -5,6 +5,8 @@ as in ``torch.autograd.Function``; vjpkit turns it into a jit-compiled
 ``jax.custom_vjp`` function that works under every JAX transformation.
 """
 
+from importlib import metadata as _metadata
+
 from . import cpp_extension, testing
 from ._anomaly import detect_anomaly
 from ._caches import clear_caches
@@ -13,6 +15,11 @@ from ._function import CacheInfo, Function, function
 from ._gradcheck import GradcheckError, JacobianMismatch, gradcheck, gradgradcheck
 from ._host import VmapInfo
 from ._once import once_differentiable
+
+try:
+    __version__: str = _metadata.version("vjpkit")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CacheInfo",

@@ -1,0 +1,67 @@
+"""Every Python block of the README and the docs site runs.
+
+Each page's ```python blocks run in page order in one namespace of their own,
+so a later block may use what an earlier one defined, as a reader would. A
+block whose first line is ``# not run: <reason>`` (a multi-host launch, say)
+is only compiled. Pages with a runner of their own are left to it:
+``docs/porting.md`` (tests/test_porting_doc.py), ``docs/errors.md``
+(tests/test_misuse_catalogue.py) and ``docs/cookbook.md``
+(tests/test_cookbook.py).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OWN_RUNNER = {"porting.md", "errors.md", "cookbook.md"}
+PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in OWN_RUNNER)
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+NOT_RUN = "# not run: "
+# What a block may need that the README's first command does not install (CI installs it all).
+OPTIONAL = ("torch", "equinox", "flax", "optax", "sklearn", "matplotlib")
+
+
+def _blocks(page: pathlib.Path) -> list[str]:
+    return [m.group(1) for m in _BLOCK.finditer(page.read_text())]
+
+
+CASES = [(page, i) for page in PAGES for i in range(len(_BLOCK.findall(page.read_text())))]
+
+
+def _ident(case: tuple) -> str:
+    page, i = case
+    return f"{page.relative_to(ROOT)}-block{i + 1}"
+
+
+_namespaces: dict = {}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ident(c) for c in CASES])
+def test_block_runs(case):
+    page, index = case
+    code = _blocks(page)[index]
+    name = str(page.relative_to(ROOT))
+    if code.startswith(NOT_RUN):
+        assert len(code.splitlines()[0]) > len(NOT_RUN) + 10, f"{name}: say why the block is not run"
+        compile(code, f"{name} (block {index + 1})", "exec")
+        return
+    namespace = _namespaces.setdefault(page, {"__name__": f"docs_{page.stem}"})
+    try:
+        exec(compile(code, f"{name} (block {index + 1})", "exec"), namespace)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in OPTIONAL:
+            pytest.skip(f"{name} block {index + 1} needs {e.name}, which is not installed")
+        raise
+
+
+def test_every_page_with_code_is_run_or_has_its_own_runner():
+    for name in OWN_RUNNER:
+        page = ROOT / "docs" / name
+        if page.exists():
+            runner = {"porting.md": "test_porting_doc.py", "errors.md": "test_misuse_catalogue.py",
+                      "cookbook.md": "test_cookbook.py"}[name]
+            assert (ROOT / "tests" / runner).exists(), f"docs/{name} has no runner"
