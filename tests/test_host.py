@@ -867,3 +867,95 @@ def test_host_backward_ctx_holds_only_the_users_attributes():
 
     assert_close(jax.grad(lambda x: Scale(x).sum())(X), jnp.full(3, 2.0))
     assert seen == [["factor"]]
+
+
+# -- 0-d arrays ----------------------------------------------------------------------
+
+
+@vjpkit.function(host=True)
+class SumOfCubes:
+    """A vector in, a 0-d array out."""
+
+    @staticmethod
+    def output_shapes(x):
+        return jax.ShapeDtypeStruct((), x.dtype)
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return np.sum(x**3)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+def test_0d_input_and_output_eager_and_jit(dtype):
+    with enable_x64(True):
+        x = np.array(0.7, dtype)
+        want = jnp.asarray(x) ** 3
+        for cube in (Cube.apply, jax.jit(Cube.apply)):
+            y = cube(x)
+            assert (y.shape, y.dtype) == ((), dtype)
+            assert_close(y, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_0d_input_grad_and_jit_grad(dtype):
+    with enable_x64(True):
+        x = np.array(0.7, dtype)
+        want = jax.grad(lambda x: jnp.sin(x**3))(jnp.asarray(x))
+        for grad in (jax.grad(lambda x: jnp.sin(Cube(x))), jax.jit(jax.grad(lambda x: jnp.sin(Cube(x))))):
+            g = grad(x)
+            assert (g.shape, g.dtype) == ((), dtype)
+            assert_close(g, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_vmap_of_0d_examples_sequential_and_expand_dims(dtype):
+    @vjpkit.function(host=True, vmap_method="expand_dims")
+    class BatchedCube:
+        forward = Cube.forward
+        backward = Cube.backward
+
+    with enable_x64(True):
+        xs = np.array([0.7, -1.5, 2.0], dtype)
+        want_y = jnp.asarray(xs) ** 3
+        want_g = jax.vmap(jax.grad(lambda x: jnp.sin(x**3)))(jnp.asarray(xs))
+        for cube in (Cube, BatchedCube):  # sequential hands each example over as a 0-d array
+            assert_close(jax.vmap(cube)(xs), want_y)
+            g = jax.jit(jax.vmap(jax.grad(lambda x, cube=cube: jnp.sin(cube(x)))))(xs)
+            assert g.dtype == dtype
+            assert_close(g, want_g)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_0d_output_of_a_vector_input(dtype):
+    with enable_x64(True):
+        x = np.array([0.5, -1.0, 2.0], dtype)
+        y = SumOfCubes(x)
+        assert (y.shape, y.dtype) == ((), dtype)
+        assert_close(y, np.sum(x**3))
+        assert_close(jax.jit(jax.grad(SumOfCubes))(x), 3 * x**2)
+        xs = np.stack([x, 2 * x])
+        assert_close(jax.vmap(SumOfCubes)(xs), np.sum(xs**3, axis=1))
+        assert_close(jax.vmap(jax.grad(SumOfCubes))(xs), 3 * xs**2)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64, np.bool_])
+def test_0d_integer_and_bool_arrays_cross_both_ways(dtype):
+    @vjpkit.function(host=True)
+    class Same:
+        @staticmethod
+        def forward(ctx, n):
+            assert n.shape == () and n.dtype == dtype, (n.shape, n.dtype)
+            return n.copy()
+
+    with enable_x64(True):
+        n = np.array(2**40 + 3 if np.dtype(dtype).itemsize == 8 else 1, dtype)
+        for same in (Same.apply, jax.jit(Same.apply)):
+            m = same(n)
+            assert (m.shape, m.dtype) == ((), dtype)
+            assert m == n

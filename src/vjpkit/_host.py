@@ -298,12 +298,13 @@ def _pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: s
 
 
 def _np_to_words(a: Any) -> np.ndarray:
-    a = np.ascontiguousarray(a)
+    # Not np.ascontiguousarray: it makes a 0-d array 1-d, one axis too many on the wire.
+    a = np.asarray(a, order="C")
     return a.reshape((*a.shape, 1)).view(np.uint32)
 
 
 def _np_from_words(words: Any, dtype: np.dtype) -> np.ndarray:
-    return np.ascontiguousarray(words).view(dtype)[..., 0]
+    return np.asarray(words, order="C").view(dtype)[..., 0]
 
 
 def _jax_to_words(x: Any) -> Any:
