@@ -959,3 +959,103 @@ def test_0d_integer_and_bool_arrays_cross_both_ways(dtype):
             m = same(n)
             assert (m.shape, m.dtype) == ((), dtype)
             assert m == n
+
+
+# -- a vmap staticmethod that returns something malformed ----------------------------
+
+
+def host_pair(vmap_rule):
+    """x -> (2x, x.sum()), batched by ``vmap_rule(xs)``, which returns (outputs, out_dims)."""
+
+    @vjpkit.function(host=True)
+    class Pair:
+        @staticmethod
+        def output_shapes(x):
+            return x, jax.ShapeDtypeStruct((), x.dtype)
+
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x, x.sum()
+
+        @staticmethod
+        def vmap(info, in_dims, x):
+            return vmap_rule(x)
+
+    return Pair
+
+
+XS = jnp.stack([X, 2 * X, -X, X + 1])  # a batch of 4 examples of shape (3,)
+PAIR_WANT = (2 * XS, XS.sum(1))
+
+
+def test_vmap_staticmethod_int_out_dims_applies_to_every_output():
+    assert_close(jax.vmap(host_pair(lambda x: ((2 * x, x.sum(1)), 0)))(XS), PAIR_WANT)
+
+
+def test_vmap_staticmethod_out_dims_by_output_negative_and_none():
+    first = X.sum()
+    rule = lambda x: ((2 * x.T, np.asarray(first)), (-1, None))  # noqa: E731
+    y, s = jax.vmap(host_pair(rule))(XS)
+    assert_close(y, 2 * XS)
+    assert_close(s, jnp.full(4, first))
+
+
+def test_vmap_staticmethod_out_dims_of_another_structure_raises_naming_the_class_and_structures():
+    pair = host_pair(lambda x: ((2 * x, x.sum(1)), (0, 0, 0)))
+    with raises_in_callback("Pair.vmap returned out_dims=(0, 0, 0) for outputs 2 outputs (structure "
+                            "PyTreeDef((*, *))): expected an int or None for every output, or a pytree of them"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_tuple_out_dims_for_one_output_raises():
+    @vjpkit.function(host=True)
+    class Double:
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def vmap(info, in_dims, x):
+            return 2 * x, (0,)
+
+    with raises_in_callback("Double.vmap returned out_dims=(0,) for outputs array of shape (4, 3) and dtype "
+                            "float32 (structure PyTreeDef(*)): expected an int or None for every output"):
+        jax.vmap(Double)(XS)
+
+
+@pytest.mark.parametrize("out_dims", ["0", 0.0, True])
+def test_vmap_staticmethod_out_dims_that_are_not_ints_raise(out_dims):
+    pair = host_pair(lambda x: ((2 * x, x.sum(1)), out_dims))
+    with raises_in_callback(f"Pair.vmap returned out_dims={out_dims!r} for outputs 2 outputs"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_wrong_number_of_outputs_raises_naming_vmap():
+    pair = host_pair(lambda x: ((2 * x, x.sum(1), x), 0))
+    with raises_in_callback("Pair.vmap returned outputs 3 outputs (structure PyTreeDef((*, *, *))), but "
+                            "Pair.output_shapes gives 2 output(s) with structure PyTreeDef((*, *))"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_out_dims_out_of_range_raises():
+    pair = host_pair(lambda x: ((2 * x, x.sum(1)), (0, 1)))
+    with raises_in_callback("Pair.vmap returned output[1] of shape (4,) with out_dims 1, which is not one of "
+                            "its axes (expected shape (4,) with the batch of 4 at axis 0, or () with out_dims None)"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_batch_axis_of_the_wrong_size_raises():
+    pair = host_pair(lambda x: ((2 * x, x.sum()), 0))  # the sum over the whole batch: shape ()
+    with raises_in_callback("Pair.vmap returned output[1] of shape () with out_dims 0, which is not one of its axes"):
+        jax.vmap(pair)(XS)
+    pair = host_pair(lambda x: ((2 * x, x.sum(0)), 0))  # summed over the batch, not the example: shape (3,)
+    with raises_in_callback("Pair.vmap returned output[1] of shape (3,) whose batch axis (out_dims 0) has size 3, "
+                            "but the batch has 4 examples (info.batch_size)"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_wrong_example_shape_raises():
+    pair = host_pair(lambda x: ((2 * x[:, :2], x.sum(1)), 0))
+    with raises_in_callback("Pair.vmap returned output[0] of shape (4, 2) and dtype float32 with out_dims 0: one "
+                            "example of shape (2,), but Pair.output_shapes gives shape (3,) and dtype float32"):
+        jax.vmap(pair)(XS)
