@@ -31,7 +31,9 @@ The key differences to ``torch.autograd.detect_anomaly`` are:
 - In a sharded program the counts are global (the index is into the whole
   array) and the check runs on every device, so every process of a
   multi-process run raises the same error (on JAX 0.4.38, whose debug
-  callbacks run on device 0 only, just process 0 raises).
+  callbacks run on device 0 only, just process 0 raises). There a
+  Function's top-level calls stay jitted (a check outside a program sees
+  only this process's data), so they report as inside ``jax.jit``.
 - The mode is thread-local and part of JAX's compile-cache key: a function
   that ``jax.jit`` compiled outside the block is traced again inside it (with
   the checks), and the program compiled outside is reused after it.
