@@ -19,10 +19,10 @@ The key differences to ``torch.autograd.detect_anomaly`` are:
   scalars per array), so they work under ``jax.jit``, ``vmap``, ``scan``
   and every other transformation.
 - Where the error is raised: outside any compiled program, inside the block
-  a Function runs op by op (not through its jit), so the check runs as the
-  call (or the backward pass of an eager ``jax.grad`` or ``jax.vjp``
-  pullback) runs, and that call raises ``FloatingPointError``, as in
-  PyTorch; code inside the block can catch it. Inside a compiled program
+  a Function runs op by op (as with ``jit=False``: its methods run on every
+  call), so the check runs as the call (or the backward pass of an eager
+  ``jax.grad`` or ``jax.vjp`` pullback) runs, and that call raises
+  ``FloatingPointError``, as in PyTorch; code inside the block can catch it. Inside a compiled program
   (a function under ``jax.jit``, a ``lax.scan`` body) the check runs on
   XLA's threads, and JAX reports it from the compiled call as
   ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``; vjpkit's message at the
