@@ -108,11 +108,42 @@ def test_nan_in_backward_under_jit_reaches_the_caller():
 
 
 def test_inside_the_block_jit_errors_carry_the_message():
-    # JAX wraps a failed callback in JaxRuntimeError; the message is in its text.
+    # In a compiled program JAX wraps a failed callback in JaxRuntimeError; the message is in its text.
     step = jax.jit(jax.grad(exp_loss))
     with detect_anomaly():
         with pytest.raises(jax.errors.JaxRuntimeError, match=EXP_NAN):
             step(NEAR_ONE)
+
+
+def test_nan_in_the_backward_of_an_eager_grad_is_raised_by_the_grad_call():
+    with detect_anomaly():
+        with pytest.raises(FloatingPointError, match=EXP_NAN):
+            jax.grad(exp_loss)(NEAR_ONE)
+        # caught inside the block, which goes on checking
+        chex.assert_trees_all_close(jax.grad(exp_loss)(X + 1), jnp.exp(X + 1))
+
+
+def test_nan_in_an_eager_forward_is_raised_by_the_call():
+    with detect_anomaly():
+        with pytest.raises(FloatingPointError, match=r"Log\.forward returned nan in output 0"):
+            Log.apply(jnp.array([1.0, -1.0]))
+        with pytest.raises(FloatingPointError, match=r"Log\.forward returned nan in output 0"):
+            jax.grad(lambda x: Log.apply(x).sum())(jnp.array([1.0, -1.0]))
+
+
+def test_nan_in_a_vjp_pullback_is_raised_by_the_pullback():
+    with detect_anomaly():
+        y, pullback = jax.vjp(exp_loss, NEAR_ONE)  # forward is finite
+        with pytest.raises(FloatingPointError, match=EXP_NAN):
+            pullback(jnp.ones_like(y))
+
+
+def test_nan_in_eager_vmap_and_checkpoint_is_raised_by_the_call():
+    with detect_anomaly():
+        with pytest.raises(FloatingPointError, match=r"Exp\.backward returned nan in gradient 0 \(input 'x'\)"):
+            jax.vmap(jax.grad(exp_loss))(jnp.stack([X, NEAR_ONE]))
+        with pytest.raises(FloatingPointError, match=EXP_NAN):
+            jax.grad(jax.checkpoint(exp_loss))(NEAR_ONE)
 
 
 def test_inf_in_forward_names_the_output():

@@ -5,6 +5,12 @@ headers are large); the tests that need no new build reuse it. Expected
 values are written out or computed with NumPy.
 """
 
+import ctypes
+import os
+import pathlib
+import platform
+import re
+import shutil
 import subprocess
 import sys
 
@@ -184,7 +190,149 @@ def test_unknown_vmap_method_raises_value_error(ext, build_directory):
         ext.Scale(x, result_shape_dtypes=x, vmap_method="vectorized", factor=np.float32(1.0))
 
 
-def test_building_without_setuptools_raises_import_error_saying_what_to_install(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "setuptools", None)
-    with pytest.raises(ImportError, match="needs setuptools .*pip install setuptools"):
+def test_building_runs_the_compiler_without_setuptools(monkeypatch, tmp_path):
+    commands = []
+
+    def compiler(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1, stdout="", stderr="stand-in compiler\n")
+
+    monkeypatch.setitem(sys.modules, "setuptools", None)  # importing it raises ImportError
+    monkeypatch.setitem(sys.modules, "distutils", None)
+    monkeypatch.setenv("CXX", "ccache my-c++")
+    monkeypatch.setattr(subprocess, "run", compiler)
+    with pytest.raises(cpp_extension.BuildError, match="stand-in compiler"):
         cpp_extension.load_inline("no_setuptools", SOURCE, ["Scale"], build_directory=tmp_path)
+    (command,) = commands
+    assert command[:2] == ["ccache", "my-c++"]
+    assert {"-std=c++17", "-fPIC", "-shared"} <= set(command)
+
+
+def test_importing_vjpkit_imports_no_setuptools():
+    code = "import sys, vjpkit; print(sorted(m for m in sys.modules if m.split('.')[0] in ('setuptools', 'distutils')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.thorough  # a real build; the unloadable-library test below makes the point with a stand-in compiler
+def test_corrupt_cached_library_is_built_again(ext, build_directory, tmp_path):
+    # The same cache entry in a fresh directory (a path this process never loaded), holding an empty file.
+    corrupt = tmp_path / ext.library_path.relative_to(build_directory)
+    corrupt.parent.mkdir(mode=0o755)
+    corrupt.write_bytes(b"")
+    again = load(tmp_path, ["Scale", "SumAndProduct"])
+    assert again.library_path == corrupt
+    assert ctypes.CDLL(str(corrupt)).Scale  # a library again, defining the kernel
+    x = jnp.ones(2, jnp.float32)
+    np.testing.assert_array_equal(again.Scale(x, result_shape_dtypes=x, factor=np.float32(4.0)), [4.0, 4.0])
+
+
+def test_library_that_cannot_be_loaded_after_building_raises_build_error_naming_the_entry(monkeypatch, tmp_path):
+    def empty_library_compiler(command, **kwargs):
+        pathlib.Path(command[command.index("-o") + 1]).write_bytes(b"")  # "succeeds", with an unloadable library
+        return subprocess.CompletedProcess(command, returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", empty_library_compiler)
+    with pytest.raises(cpp_extension.BuildError, match=r"the library just built in the cache entry (\S+) cannot be "
+                                                        r"loaded: .*delete the entry to try again") as info:
+        cpp_extension.load_inline("unloadable", SOURCE, ["Scale"], build_directory=tmp_path)
+    (entry,) = tmp_path.iterdir()
+    assert info.match(re.escape(str(entry)))
+    # A second load finds the entry unloadable and builds it again, with the same result.
+    with pytest.raises(cpp_extension.BuildError, match="the library just built"):
+        cpp_extension.load_inline("unloadable", SOURCE, ["Scale"], build_directory=tmp_path)
+
+
+def test_cache_key_holds_the_cpu_architecture(monkeypatch, tmp_path):
+    def no_compiler(command, **kwargs):
+        return subprocess.CompletedProcess(command, returncode=1, stdout="", stderr="not built\n")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    entries = set()
+    for machine in ("x86_64", "aarch64"):
+        monkeypatch.setattr(platform, "machine", lambda machine=machine: machine)
+        with pytest.raises(cpp_extension.BuildError, match=r"(?s)-o (\S+)/arch\.so"):
+            cpp_extension.load_inline("arch", SOURCE, ["Scale"], build_directory=tmp_path)
+    entries = {p.name for p in tmp_path.iterdir()}
+    assert len(entries) == 2, entries
+
+
+@pytest.mark.parametrize("variable", ["CXXFLAGS", "CPPFLAGS", "LDFLAGS"])
+def test_cache_key_holds_the_compiler_flags_from_the_environment(monkeypatch, tmp_path, variable):
+    commands = []
+
+    def no_compiler(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1, stdout="", stderr="not built\n")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    for value in ("", "-DVARIANT=1"):
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(cpp_extension.BuildError):
+            cpp_extension.load_inline("flags", SOURCE, ["Scale"], build_directory=tmp_path)
+    assert "-DVARIANT=1" in commands[1] and "-DVARIANT=1" not in commands[0]
+    assert len(set(tmp_path.iterdir())) == 2
+
+
+def _copy_of_the_cached_library(ext, build_directory, tmp_path):
+    """The module's library, copied into the same cache entry of a fresh directory."""
+    copy = tmp_path / ext.library_path.relative_to(build_directory)
+    copy.parent.mkdir(mode=0o755)
+    shutil.copy(ext.library_path, copy)
+    os.chmod(copy, 0o755)
+    return copy
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757], ids=["group", "others"])
+def test_cached_library_writable_by_others_is_refused(ext, build_directory, tmp_path, monkeypatch, mode):
+    copy = _copy_of_the_cached_library(ext, build_directory, tmp_path)
+    os.chmod(copy, mode)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("the compiler ran"))
+    who = "group" if mode & 0o020 else "others"
+    with pytest.raises(PermissionError, match=re.escape(f"refusing to load the cached library {copy}: it is writable "
+                                                        f"by {who}") + ".*chmod go-w"):
+        load(tmp_path)
+
+
+def test_cached_library_in_a_group_writable_directory_is_refused(ext, build_directory, tmp_path):
+    copy = _copy_of_the_cached_library(ext, build_directory, tmp_path)
+    os.chmod(copy.parent, 0o775)
+    with pytest.raises(PermissionError, match=re.escape(f"refusing to load the cached directory {copy.parent}: it "
+                                                        "is writable by group (mode drwxrwxr-x)")):
+        load(tmp_path)
+
+
+def test_cached_library_of_another_user_is_refused(ext, build_directory, tmp_path, monkeypatch):
+    copy = _copy_of_the_cached_library(ext, build_directory, tmp_path)
+    monkeypatch.setattr(os, "geteuid", lambda: copy.stat().st_uid + 1)
+    with pytest.raises(PermissionError, match=r"refusing to load the cached directory .* it is owned by user id \d+, "
+                                              r"not by you .*Point VJPKIT_EXTENSIONS_DIR"):
+        load(tmp_path)
+
+
+def test_a_build_is_not_group_writable_whatever_the_umask(monkeypatch, tmp_path):
+    def compiler(command, **kwargs):
+        output = pathlib.Path(command[command.index("-o") + 1])
+        output.write_bytes(b"")
+        os.chmod(output, 0o777)
+        return subprocess.CompletedProcess(command, returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", compiler)
+    previous = os.umask(0o002)
+    try:
+        with pytest.raises(cpp_extension.BuildError, match="cannot be loaded"):  # an empty library, but not refused
+            cpp_extension.load_inline("umask", SOURCE, ["Scale"], build_directory=tmp_path)
+    finally:
+        os.umask(previous)
+    (library,) = tmp_path.glob("*/umask.so")
+    assert library.stat().st_mode & 0o022 == 0
+    assert library.parent.stat().st_mode & 0o022 == 0
+
+
+def test_the_same_library_in_two_directories_loads_in_one_process(ext, build_directory, tmp_path, monkeypatch):
+    copy = _copy_of_the_cached_library(ext, build_directory, tmp_path)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("the compiler ran"))
+    again = load(tmp_path)
+    assert again.library_path == copy
+    x = jnp.ones(2, jnp.float32)
+    np.testing.assert_array_equal(again.Scale(x, result_shape_dtypes=x, factor=np.float32(2.0)), [2.0, 2.0])

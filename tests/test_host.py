@@ -867,3 +867,195 @@ def test_host_backward_ctx_holds_only_the_users_attributes():
 
     assert_close(jax.grad(lambda x: Scale(x).sum())(X), jnp.full(3, 2.0))
     assert seen == [["factor"]]
+
+
+# -- 0-d arrays ----------------------------------------------------------------------
+
+
+@vjpkit.function(host=True)
+class SumOfCubes:
+    """A vector in, a 0-d array out."""
+
+    @staticmethod
+    def output_shapes(x):
+        return jax.ShapeDtypeStruct((), x.dtype)
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return np.sum(x**3)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+def test_0d_input_and_output_eager_and_jit(dtype):
+    with enable_x64(True):
+        x = np.array(0.7, dtype)
+        want = jnp.asarray(x) ** 3
+        for cube in (Cube.apply, jax.jit(Cube.apply)):
+            y = cube(x)
+            assert (y.shape, y.dtype) == ((), dtype)
+            assert_close(y, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_0d_input_grad_and_jit_grad(dtype):
+    with enable_x64(True):
+        x = np.array(0.7, dtype)
+        want = jax.grad(lambda x: jnp.sin(x**3))(jnp.asarray(x))
+        for grad in (jax.grad(lambda x: jnp.sin(Cube(x))), jax.jit(jax.grad(lambda x: jnp.sin(Cube(x))))):
+            g = grad(x)
+            assert (g.shape, g.dtype) == ((), dtype)
+            assert_close(g, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_vmap_of_0d_examples_sequential_and_expand_dims(dtype):
+    @vjpkit.function(host=True, vmap_method="expand_dims")
+    class BatchedCube:
+        forward = Cube.forward
+        backward = Cube.backward
+
+    with enable_x64(True):
+        xs = np.array([0.7, -1.5, 2.0], dtype)
+        want_y = jnp.asarray(xs) ** 3
+        want_g = jax.vmap(jax.grad(lambda x: jnp.sin(x**3)))(jnp.asarray(xs))
+        for cube in (Cube, BatchedCube):  # sequential hands each example over as a 0-d array
+            assert_close(jax.vmap(cube)(xs), want_y)
+            g = jax.jit(jax.vmap(jax.grad(lambda x, cube=cube: jnp.sin(cube(x)))))(xs)
+            assert g.dtype == dtype
+            assert_close(g, want_g)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_0d_output_of_a_vector_input(dtype):
+    with enable_x64(True):
+        x = np.array([0.5, -1.0, 2.0], dtype)
+        y = SumOfCubes(x)
+        assert (y.shape, y.dtype) == ((), dtype)
+        assert_close(y, np.sum(x**3))
+        assert_close(jax.jit(jax.grad(SumOfCubes))(x), 3 * x**2)
+        xs = np.stack([x, 2 * x])
+        assert_close(jax.vmap(SumOfCubes)(xs), np.sum(xs**3, axis=1))
+        assert_close(jax.vmap(jax.grad(SumOfCubes))(xs), 3 * xs**2)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64, np.bool_])
+def test_0d_integer_and_bool_arrays_cross_both_ways(dtype):
+    @vjpkit.function(host=True)
+    class Same:
+        @staticmethod
+        def forward(ctx, n):
+            assert n.shape == () and n.dtype == dtype, (n.shape, n.dtype)
+            return n.copy()
+
+    with enable_x64(True):
+        n = np.array(2**40 + 3 if np.dtype(dtype).itemsize == 8 else 1, dtype)
+        for same in (Same.apply, jax.jit(Same.apply)):
+            m = same(n)
+            assert (m.shape, m.dtype) == ((), dtype)
+            assert m == n
+
+
+# -- a vmap staticmethod that returns something malformed ----------------------------
+
+
+def host_pair(vmap_rule):
+    """x -> (2x, x.sum()), batched by ``vmap_rule(xs)``, which returns (outputs, out_dims)."""
+
+    @vjpkit.function(host=True)
+    class Pair:
+        @staticmethod
+        def output_shapes(x):
+            return x, jax.ShapeDtypeStruct((), x.dtype)
+
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x, x.sum()
+
+        @staticmethod
+        def vmap(info, in_dims, x):
+            return vmap_rule(x)
+
+    return Pair
+
+
+XS = jnp.stack([X, 2 * X, -X, X + 1])  # a batch of 4 examples of shape (3,)
+PAIR_WANT = (2 * XS, XS.sum(1))
+
+
+def test_vmap_staticmethod_int_out_dims_applies_to_every_output():
+    assert_close(jax.vmap(host_pair(lambda x: ((2 * x, x.sum(1)), 0)))(XS), PAIR_WANT)
+
+
+def test_vmap_staticmethod_out_dims_by_output_negative_and_none():
+    first = X.sum()
+    rule = lambda x: ((2 * x.T, np.asarray(first)), (-1, None))  # noqa: E731
+    y, s = jax.vmap(host_pair(rule))(XS)
+    assert_close(y, 2 * XS)
+    assert_close(s, jnp.full(4, first))
+
+
+def test_vmap_staticmethod_out_dims_of_another_structure_raises_naming_the_class_and_structures():
+    pair = host_pair(lambda x: ((2 * x, x.sum(1)), (0, 0, 0)))
+    with raises_in_callback("Pair.vmap returned out_dims=(0, 0, 0) for outputs 2 outputs (structure "
+                            "PyTreeDef((*, *))): expected an int or None for every output, or a pytree of them"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_tuple_out_dims_for_one_output_raises():
+    @vjpkit.function(host=True)
+    class Double:
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def vmap(info, in_dims, x):
+            return 2 * x, (0,)
+
+    with raises_in_callback("Double.vmap returned out_dims=(0,) for outputs array of shape (4, 3) and dtype "
+                            "float32 (structure PyTreeDef(*)): expected an int or None for every output"):
+        jax.vmap(Double)(XS)
+
+
+@pytest.mark.parametrize("out_dims", ["0", 0.0, True])
+def test_vmap_staticmethod_out_dims_that_are_not_ints_raise(out_dims):
+    pair = host_pair(lambda x: ((2 * x, x.sum(1)), out_dims))
+    with raises_in_callback(f"Pair.vmap returned out_dims={out_dims!r} for outputs 2 outputs"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_wrong_number_of_outputs_raises_naming_vmap():
+    pair = host_pair(lambda x: ((2 * x, x.sum(1), x), 0))
+    with raises_in_callback("Pair.vmap returned outputs 3 outputs (structure PyTreeDef((*, *, *))), but "
+                            "Pair.output_shapes gives 2 output(s) with structure PyTreeDef((*, *))"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_out_dims_out_of_range_raises():
+    pair = host_pair(lambda x: ((2 * x, x.sum(1)), (0, 1)))
+    with raises_in_callback("Pair.vmap returned output[1] of shape (4,) with out_dims 1, which is not one of "
+                            "its axes (expected shape (4,) with the batch of 4 at axis 0, or () with out_dims None)"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_batch_axis_of_the_wrong_size_raises():
+    pair = host_pair(lambda x: ((2 * x, x.sum()), 0))  # the sum over the whole batch: shape ()
+    with raises_in_callback("Pair.vmap returned output[1] of shape () with out_dims 0, which is not one of its axes"):
+        jax.vmap(pair)(XS)
+    pair = host_pair(lambda x: ((2 * x, x.sum(0)), 0))  # summed over the batch, not the example: shape (3,)
+    with raises_in_callback("Pair.vmap returned output[1] of shape (3,) whose batch axis (out_dims 0) has size 3, "
+                            "but the batch has 4 examples (info.batch_size)"):
+        jax.vmap(pair)(XS)
+
+
+def test_vmap_staticmethod_wrong_example_shape_raises():
+    pair = host_pair(lambda x: ((2 * x[:, :2], x.sum(1)), 0))
+    with raises_in_callback("Pair.vmap returned output[0] of shape (4, 2) and dtype float32 with out_dims 0: one "
+                            "example of shape (2,), but Pair.output_shapes gives shape (3,) and dtype float32"):
+        jax.vmap(pair)(XS)

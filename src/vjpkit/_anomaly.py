@@ -17,13 +17,23 @@ The key differences to ``torch.autograd.detect_anomaly`` are:
 
 - The checks are traced into the program (``jax.debug.callback`` on three
   scalars per array), so they work under ``jax.jit``, ``vmap``, ``scan``
-  and every other transformation. Under ``jax.jit`` JAX reports a failed
-  callback as ``JaxRuntimeError`` (with vjpkit's message at the end of its
-  text); leaving the ``with`` block turns it back into ``FloatingPointError``.
+  and every other transformation.
+- Where the error is raised: outside any compiled program, inside the block
+  a Function runs op by op (as with ``jit=False``: its methods run on every
+  call), so the check runs as the call (or the backward pass of an eager
+  ``jax.grad`` or ``jax.vjp`` pullback) runs, and that call raises
+  ``FloatingPointError``, as in PyTorch; code inside the block can catch it. Inside a compiled program
+  (a function under ``jax.jit``, a ``lax.scan`` body) the check runs on
+  XLA's threads, and JAX reports it from the compiled call as
+  ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``; vjpkit's message at the
+  end of its text): catch that inside the block; leaving the block turns it
+  back into ``FloatingPointError``.
 - In a sharded program the counts are global (the index is into the whole
   array) and the check runs on every device, so every process of a
   multi-process run raises the same error (on JAX 0.4.38, whose debug
-  callbacks run on device 0 only, just process 0 raises).
+  callbacks run on device 0 only, just process 0 raises). There a
+  Function's top-level calls stay jitted (a check outside a program sees
+  only this process's data), so they report as inside ``jax.jit``.
 - The mode is thread-local and part of JAX's compile-cache key: a function
   that ``jax.jit`` compiled outside the block is traced again inside it (with
   the checks), and the program compiled outside is reused after it.
@@ -72,10 +82,14 @@ def detect_anomaly() -> Iterator[None]:
 
     The first NaN or Inf that a Function's ``forward``, ``backward`` or
     ``jvp`` returns raises ``FloatingPointError``, e.g.
-    ``Exp.backward returned nan in gradient 0 (input 'x'): ...``, also when the
-    Function runs inside ``jax.jit``. Use it to find the Function that
+    ``Exp.backward returned nan in gradient 0 (input 'x'): ...``, from the
+    call that produced it, also when the Function runs inside ``jax.jit``
+    (there JAX raises ``jax.errors.JaxRuntimeError`` from the jitted call,
+    with the message in its text, and the block turns it into
+    ``FloatingPointError`` as it exits). Use it to find the Function that
     produced a NaN, then switch it off: the checks copy three scalars per
-    array to the host on every call.
+    array to the host on every call, and outside ``jax.jit`` Functions run
+    op by op.
 
     Also a decorator (``@vjpkit.detect_anomaly()``). The mode is
     thread-local; code that ``jax.jit`` compiled outside the block is traced

@@ -388,7 +388,11 @@ class _Cache:
             if entry is None:
                 self.misses += 1
                 program = _Program(spec, layout, len(values), anomaly)
-                entry = self.programs[key] = _Entry(key, program, program.jit() if spec.jit else None)
+                # Under detect_anomaly a top-level call runs op by op: a check then raises at the
+                # call (and in an eager jax.grad's backward pass), not from inside a jit. Not across
+                # processes: an eager callback sees only local data, a jitted one every device's.
+                jitted = spec.jit and (not anomaly or jax.process_count() > 1)
+                entry = self.programs[key] = _Entry(key, program, program.jit() if jitted else None)
                 entry.used = self.calls
                 while len(self.programs) > spec.cache_size:
                     self._forget_routes(self.programs.pop(min(self.programs.values(), key=_last_used).key))

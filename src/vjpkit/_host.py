@@ -298,12 +298,13 @@ def _pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: s
 
 
 def _np_to_words(a: Any) -> np.ndarray:
-    a = np.ascontiguousarray(a)
+    # Not np.ascontiguousarray: it makes a 0-d array 1-d, one axis too many on the wire.
+    a = np.asarray(a, order="C")
     return a.reshape((*a.shape, 1)).view(np.uint32)
 
 
 def _np_from_words(words: Any, dtype: np.dtype) -> np.ndarray:
-    return np.ascontiguousarray(words).view(dtype)[..., 0]
+    return np.asarray(words, order="C").view(dtype)[..., 0]
 
 
 def _jax_to_words(x: Any) -> Any:
@@ -403,16 +404,69 @@ class _HostCall:
         out, out_dims = result
         out_treedef: Any
         out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
-        if out_dims is None or isinstance(out_dims, int):
-            out_dims = [out_dims] * len(out_leaves)
-        else:
-            out_dims = out_treedef.flatten_up_to(out_dims)
+        if out_treedef != self.out_treedef:
+            raise TypeError(
+                f"{self.name}.vmap returned outputs {_describe(out)}, but {self.source} gives "
+                f"{self.out_treedef.num_leaves} output(s) with structure {self.out_treedef}. "
+                f"Return (outputs, out_dims) with outputs structured as {self.name}.forward's."
+            )
         moved = []
-        for leaf, d in zip(out_leaves, out_dims, strict=True):
+        for output, leaf, d in zip(self.outputs, out_leaves, self._flat_out_dims(out, out_dims), strict=True):
             leaf = np.asarray(leaf)
+            self._check_vmap_output(output, leaf, d, size)
             leaf = np.broadcast_to(leaf, (size, *leaf.shape)) if d is None else np.moveaxis(leaf, d, 0)
             moved.append(leaf.reshape(batch + leaf.shape[1:]))
         return jax.tree_util.tree_unflatten(out_treedef, moved)
+
+    def _flat_out_dims(self, out: Any, out_dims: Any) -> list:
+        """vmap's ``out_dims``, one per output leaf: an int or None applies to every output under it."""
+        def is_dim(d: Any) -> bool:
+            return d is None or (isinstance(d, (int, np.integer)) and not isinstance(d, bool))
+
+        try:
+            per_subtree = jax.tree_util.tree_map(
+                lambda d, sub: [d] * len(jax.tree_util.tree_leaves(sub)), out_dims, out, is_leaf=is_dim
+            )
+        except (ValueError, TypeError):
+            per_subtree = None
+        dims = jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, list))
+        if per_subtree is None or not all(map(is_dim, (d for ds in dims for d in ds))):
+            raise TypeError(
+                f"{self.name}.vmap returned out_dims={_short_repr(out_dims)} for outputs "
+                f"{_describe(out)}: expected an int or None for every output, or a pytree "
+                f"of them with the outputs' structure (as torch.autograd.Function.vmap's "
+                "out_dims): the axis of each output that holds the batch, None where an "
+                "output is the same for every example."
+            )
+        return [d for ds in dims for d in ds]
+
+    def _check_vmap_output(self, output: tuple, leaf: np.ndarray, d: int | None, size: int) -> None:
+        """One output of vmap: its batch axis ``d`` (an axis of the batch's size) and its per-example shape."""
+        name, shape, dtype = output
+        batched = (size, *shape)
+        if d is not None and not -leaf.ndim <= d < leaf.ndim:
+            raise ValueError(
+                f"{self.name}.vmap returned {name} of shape {leaf.shape} with out_dims {d}, "
+                f"which is not one of its axes (expected shape {batched} with the batch of "
+                f"{size} at axis 0, or {shape} with out_dims None). Give the axis that holds "
+                "the batch, or None for an output that is the same for every example."
+            )
+        if d is not None and leaf.shape[d] != size:
+            raise ValueError(
+                f"{self.name}.vmap returned {name} of shape {leaf.shape} whose batch axis "
+                f"(out_dims {d}) has size {leaf.shape[d]}, but the batch has {size} examples "
+                "(info.batch_size). Return the output with the batch at that axis, or give "
+                "out_dims None for an output that is the same for every example."
+            )
+        example = leaf.shape if d is None else leaf.shape[:d % leaf.ndim] + leaf.shape[d % leaf.ndim + 1:]
+        if example != shape or _dtype_kind(leaf.dtype) != _dtype_kind(dtype):
+            raise ValueError(
+                f"{self.name}.vmap returned {name} of shape {leaf.shape} and dtype {leaf.dtype} "
+                f"with out_dims {d}: one example of shape {example}, but {self.source} gives "
+                f"shape {shape} and dtype {dtype}. "
+                f"{_kind_hint(leaf.dtype, dtype) if example == shape else ''}"
+                f"Fix {self.name}.vmap to return what forward returns for each example."
+            )
 
     def _check_outputs(self, out: Any, batch: tuple) -> tuple[list, Any]:
         """forward's outputs checked against their declared shapes and dtypes.

@@ -52,32 +52,42 @@ The key differences to PyTorch's ``load_inline``:
 
 Tips:
 
-- The compiler is the one Python was built with (``CXX``, ``CC``,
-  ``CFLAGS`` and ``LDFLAGS`` override it, as for any setuptools build); the
-  flags are ``-std=c++17 -O2`` plus ``extra_cflags``.
+- The compiler is ``$CXX``, else the first of ``c++``, ``g++`` and
+  ``clang++`` on the ``PATH``, run directly (no setuptools): one command,
+  ``-std=c++17 -O2 -fPIC -shared`` plus ``$CPPFLAGS``, ``$CXXFLAGS`` and
+  ``extra_cflags``, then ``$LDFLAGS`` and ``extra_ldflags``. The library
+  links to neither Python nor NumPy, so it does not depend on their ABI.
 - Libraries are cached under ``$VJPKIT_EXTENSIONS_DIR``, else
   ``$XDG_CACHE_HOME/vjpkit/cpp_extensions`` (``~/.cache/...``); delete the
   directory to rebuild everything. ``build_directory=`` overrides it.
-- Changing the source, the flags, the compiler or JAX changes the hash:
-  a notebook can edit the source and call ``load_inline`` again.
-- Building needs setuptools (for its compiler support); running a cached
-  library does not need it.
+- The cache key holds everything the library depends on: the source, the
+  flags, the compiler (its path, size and modification time), the FFI
+  headers, JAX's version, and the platform and CPU architecture
+  (``platform.machine()``), so one cache directory can serve several
+  machines, and a notebook can edit the source and call ``load_inline``
+  again.
+- A cached library that cannot be loaded (a truncated or empty file) is
+  built again. A cached library (or its directory) owned by another user,
+  or writable by group or others, is refused: loading it runs its code in
+  this process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib
 import os
 import pathlib
+import platform
 import re
+import shlex
+import shutil
+import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 
@@ -90,12 +100,11 @@ _CXX_FLAGS = ("-std=c++17", "-O2")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HANDLER_SYMBOL = re.compile(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)")
 _VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
-# What setuptools' customize_compiler reads (from Python's build configuration,
-# overridden by the environment) to choose the compiler and its flags.
-_COMPILER_VARIABLES = ("CC", "CXX", "LDSHARED", "CFLAGS", "CPPFLAGS", "LDFLAGS", "CCSHARED", "AR", "ARFLAGS")
+_COMPILERS = ("c++", "g++", "clang++")  # tried in this order when $CXX is not set
 
 # One build at a time in this process (other processes: see _Compiler.build).
 _lock = threading.Lock()
+_registered: set[str] = set()  # the XLA FFI targets registered in this process
 
 
 class BuildError(RuntimeError):
@@ -190,7 +199,8 @@ def load_inline(
             function is not defined in the compiled library, or
             ``vmap_method`` is unknown.
         TypeError: ``functions`` is a string, not a list of names.
-        ImportError: a build is needed and setuptools is not installed.
+        PermissionError: the cached library, or its directory, is owned by
+            another user or writable by group or others.
     """
     _check_identifier("name", name)
     if isinstance(functions, str):
@@ -205,25 +215,25 @@ def load_inline(
     method = _checked_vmap_method(vmap_method)
 
     api = _jax_internals.ffi_api()
+    include_dir = api.include_dir()
     compiler = _Compiler(extra_cflags, extra_ldflags, verbose)
     source = _SOURCE_PREFIX + cpp_source
-    digest = _content_hash(name, source, compiler.signature(), api.include_dir())
+    digest = _content_hash(name, source, compiler.signature(), include_dir, _headers_digest(include_dir))
     directory = pathlib.Path(build_directory) if build_directory is not None else default_build_directory()
     library_path = directory / f"{name}_{digest[:16]}" / f"{name}.so"
 
     with _lock:
-        if not library_path.exists():
-            compiler.build(source, library_path, include_dir=api.include_dir())
-        elif verbose:
-            print(f"load_inline: using cached {library_path}", file=sys.stderr)
-        library = ctypes.CDLL(str(library_path))
+        library = _load_or_build(compiler, source, library_path, include_dir)
         kernels = {}
         for function in functions:
-            # The hash in the name keeps an edited source's kernels apart;
-            # registering the same name again (a second load) is harmless.
+            # The hash in the name keeps an edited source's kernels apart. A name
+            # registered before is the same kernel (the same key), maybe from a copy
+            # in another directory, which XLA refuses to register at a second address.
             target_name = f"{name}_{digest[:16]}.{function}"
             symbol = _symbol(library, function, cpp_source, name)
-            api.register_ffi_target(target_name, api.pycapsule(symbol), platform="cpu")
+            if target_name not in _registered:
+                api.register_ffi_target(target_name, api.pycapsule(symbol), platform="cpu")
+                _registered.add(target_name)
             kernels[function] = FfiKernel(function, target_name, method)
     return Extension(name, library_path, kernels)
 
@@ -239,81 +249,126 @@ def default_build_directory() -> pathlib.Path:
 # --- building ------------------------------------------------------------------------------------------------
 
 
+def _load_or_build(compiler: _Compiler, source: str, library_path: pathlib.Path, include_dir: str) -> ctypes.CDLL:
+    """The cached library, built first if it is missing, or again if it cannot be loaded."""
+    if library_path.exists():
+        _check_private(library_path)
+        try:
+            library = ctypes.CDLL(str(library_path))
+        except OSError as error:  # an empty or truncated file (a full disk, a killed copy): build it again
+            if compiler.verbose:
+                print(f"load_inline: rebuilding {library_path}, which cannot be loaded: {error}", file=sys.stderr)
+        else:
+            if compiler.verbose:
+                print(f"load_inline: using cached {library_path}", file=sys.stderr)
+            return library
+    compiler.build(source, library_path, include_dir=include_dir)
+    _check_private(library_path)
+    try:
+        return ctypes.CDLL(str(library_path))
+    except OSError as error:
+        raise BuildError(
+            f"load_inline: the library just built in the cache entry {library_path.parent} cannot be "
+            f"loaded: {error}. Check that the compiler builds shared libraries for this machine "
+            f"({platform.machine()}), and the flags in $CXXFLAGS, $LDFLAGS and extra_ldflags; delete "
+            "the entry to try again."
+        ) from None
+
+
+def _check_private(library_path: pathlib.Path) -> None:
+    """Refuses a cached library that another user wrote or could write: loading it runs its code here."""
+    if not hasattr(os, "geteuid"):
+        return  # no POSIX owners (Windows)
+    me = os.geteuid()
+    for path in (library_path.parent, library_path):
+        info = path.stat()
+        writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if info.st_uid == me and not writable:
+            continue
+        what = "directory" if path.is_dir() else "library"
+        if info.st_uid != me:
+            why = f"is owned by user id {info.st_uid}, not by you ({me})"
+        else:
+            who = " and ".join(w for bit, w in ((stat.S_IWGRP, "group"), (stat.S_IWOTH, "others")) if writable & bit)
+            why = f"is writable by {who} (mode {stat.filemode(info.st_mode)})"
+        raise PermissionError(
+            f"load_inline: refusing to load the cached {what} {path}: it {why}, so another user "
+            "could have put code there that would run in this process. Point VJPKIT_EXTENSIONS_DIR "
+            "(or build_directory=) at a directory only you can write, or, if you trust the file, "
+            f"make it yours and not writable by others (chmod go-w {path}) or delete "
+            f"{library_path.parent} to build it again."
+        )
+
+
 class _Compiler:
-    """setuptools' compiler for this Python (``CXX``/``CC``/``CFLAGS``/``LDFLAGS`` apply), output captured."""
+    """The C++ compiler (``$CXX``, else the first on the PATH), run directly, its output captured."""
 
     def __init__(self, extra_cflags: Sequence[str], extra_ldflags: Sequence[str], verbose: bool):
-        self.extra_cflags = [*_CXX_FLAGS, *extra_cflags]
-        self.extra_ldflags = list(extra_ldflags)
+        self.command = _compiler_command()
+        environment = [shlex.split(os.environ.get(variable, "")) for variable in ("CPPFLAGS", "CXXFLAGS", "LDFLAGS")]
+        self.cflags = [*_CXX_FLAGS, "-fPIC", *environment[0], *environment[1], *extra_cflags]
+        self.ldflags = ["-shared", *environment[2], *extra_ldflags]
         self.verbose = verbose
-        self._ccompiler: Any = None
-
-    def ccompiler(self) -> Any:
-        if self._ccompiler is None:
-            self._ccompiler = _new_ccompiler(self._spawn)
-        return self._ccompiler
 
     def signature(self) -> str:
-        """Everything about the build besides the source, for the content hash (no setuptools needed)."""
-        defaults = sysconfig.get_config_vars(*_COMPILER_VARIABLES)
-        overrides = [os.environ.get(variable) for variable in _COMPILER_VARIABLES]
-        return repr((defaults, overrides, self.extra_cflags, self.extra_ldflags, sys.platform))
+        """Everything about the build besides the source and headers, for the content hash."""
+        executable = shutil.which(self.command[0])
+        identity: Any = None  # the compiler's file: an upgrade changes its size or time
+        if executable is not None:
+            info = os.stat(executable)  # through symlinks (c++ -> g++-12)
+            identity = (os.path.realpath(executable), info.st_size, info.st_mtime_ns)
+        return repr((self.command, identity, self.cflags, self.ldflags, sys.platform, platform.machine()))
 
     def build(self, source: str, library_path: pathlib.Path, *, include_dir: str) -> None:
-        cc = self.ccompiler()
-        library_path.parent.mkdir(parents=True, exist_ok=True)
+        library_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         # Build in a private directory, then rename into place: a concurrent
         # process never sees a half-written library.
         with tempfile.TemporaryDirectory(dir=library_path.parent, prefix=".build-") as work:
             source_path = pathlib.Path(work) / f"{library_path.stem}.cpp"
             source_path.write_text(source)
-            objects = cc.compile(
-                [str(source_path)], output_dir=work, include_dirs=[include_dir], extra_postargs=self.extra_cflags
-            )
             built = pathlib.Path(work) / library_path.name
-            cc.link_shared_object(objects, str(built), extra_postargs=self.extra_ldflags, target_lang="c++")
+            self._run([
+                *self.command, *self.cflags, f"-I{include_dir}", str(source_path), "-o", str(built), *self.ldflags
+            ])
+            os.chmod(built, 0o755)  # not group-writable, whatever the umask: _check_private accepts it
             os.replace(built, library_path)
 
-    def _spawn(self, command: Sequence[str], **_: Any) -> None:
+    def _run(self, command: Sequence[str]) -> None:
         if self.verbose:
-            print(" ".join(command), file=sys.stderr)
+            print(shlex.join(command), file=sys.stderr)
         try:
             result = subprocess.run(list(command), capture_output=True, text=True)
         except FileNotFoundError:
             raise BuildError(
                 f"load_inline: no C++ compiler: {command[0]!r} was not found. Install one "
-                "(g++ or clang++), or point the CXX and CC environment variables at it."
+                f"(g++ or clang++), or point the CXX environment variable at it."
             ) from None
         if self.verbose and (result.stdout or result.stderr):
             print(result.stdout + result.stderr, file=sys.stderr)
         if result.returncode != 0:
             raise BuildError(
                 f"load_inline: building failed (exit status {result.returncode}):\n"
-                f"$ {' '.join(command)}\n{result.stdout}{result.stderr}"
+                f"$ {shlex.join(command)}\n{result.stdout}{result.stderr}"
             )
 
 
-def _new_ccompiler(spawn: Callable[..., None]) -> Any:
-    try:
-        # Importing setuptools first puts its distutils in place of the
-        # standard library's (which Python 3.12 no longer has).
-        importlib.import_module("setuptools")
-        from distutils import ccompiler
-        from distutils import sysconfig as distutils_sysconfig
-    except ImportError as error:
-        raise ImportError(
-            "vjpkit.cpp_extension.load_inline needs setuptools to find the C++ compiler and its flags: "
-            "pip install setuptools"
-        ) from error
-    cc = ccompiler.new_compiler()
-    distutils_sysconfig.customize_compiler(cc)
-    # The compiler object runs every command through one overridable method
-    # (``spawn``, or ``call`` in newer setuptools): ours captures the output for
-    # the error message instead of letting it through to stderr.
-    for hook in ("call", "spawn"):
-        if hasattr(cc, hook):
-            setattr(cc, hook, spawn)
-    return cc
+def _compiler_command() -> list[str]:
+    """``$CXX`` (split as a shell would: ``ccache g++`` works), else the first C++ compiler on the PATH."""
+    if os.environ.get("CXX"):
+        return shlex.split(os.environ["CXX"])
+    for name in _COMPILERS:
+        if shutil.which(name):
+            return [name]
+    return [_COMPILERS[0]]  # building says that none was found
+
+
+def _headers_digest(include_dir: str) -> str:
+    """The FFI headers' content: a library is built against one version of them."""
+    digest = hashlib.sha256()
+    headers = pathlib.Path(include_dir) / "xla" / "ffi" / "api"
+    for header in sorted(headers.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return digest.hexdigest()
 
 
 def _content_hash(*parts: str) -> str:
