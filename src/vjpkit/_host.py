@@ -298,8 +298,8 @@ def _pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: s
 
 
 def _np_to_words(a: Any) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.reshape((*a.shape, 1)).view(np.uint32)
+    shape = np.shape(a)  # np.ascontiguousarray makes a 0-d array 1-d: keep the shape declared
+    return np.ascontiguousarray(a).reshape((*shape, 1)).view(np.uint32)
 
 
 def _np_from_words(words: Any, dtype: np.dtype) -> np.ndarray:
