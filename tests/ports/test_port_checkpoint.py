@@ -66,8 +66,8 @@ class CheckpointFunction(vjpkit.Function):
         return (None, None) + pullback(grads if isinstance(outputs, tuple) else grads[0])
 
 
-FROM_TORCH_CASES = [dict(original=TorchCheckpointFunction, port=CheckpointFunction,
-                         args=(lambda x: x.sin() * x, False, X), second_order=False)]
+# PyTorch's CheckpointFunction raises under torch.autograd.grad (it needs .backward()).
+FROM_TORCH_CASES: list = []
 
 
 def torch_checkpoint_grads(module, x):
