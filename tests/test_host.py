@@ -474,6 +474,27 @@ def test_float64_output_where_float32_is_declared_is_cast():
     assert_close(out, X / 2)
 
 
+def test_scalar_float64_output_crosses_with_x64_on():
+    @vjpkit.function(host=True)
+    class Total:
+        @staticmethod
+        def output_shapes(x):
+            return jax.ShapeDtypeStruct((), x.dtype)
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.sum()  # a NumPy float64 scalar: 0-d, as declared
+
+        @staticmethod
+        def backward(ctx, g):
+            return np.full(3, g)
+
+    with enable_x64(True):
+        x = jnp.arange(3.0, dtype=jnp.float64)
+        assert Total(x) == 3.0 and Total(x).shape == ()
+        assert jax.grad(Total)(x).tolist() == [1.0, 1.0, 1.0]
+
+
 def test_wrong_output_count_raises_naming_class():
     @vjpkit.function(host=True)
     class Pair:

@@ -1,0 +1,49 @@
+"""``torch.distributed.nn``'s all-gather on 4 devices (``allgather_script.py``).
+
+The device count is fixed when JAX starts and this pytest process has one
+CPU device, so the script runs once in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``; each test below
+checks one of its cases. Both of the original's backward paths are
+ported: reduce-scatter (NCCL) and all-to-all with a sum (other backends).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).with_name("allgather_script.py")
+PATHS = ["nccl", "gloo"]  # the original's backward: reduce-scatter, or all-to-all and a sum
+CHECKS = ["matches_torch", "matches_torch_to_second_order", "jit_grad_matches_torch",
+          "vmap_inside_shard_map_matches_loop"]
+
+# The from_torch tests cannot run it: the original needs a process group on every rank.
+FROM_TORCH_CASES: list = []
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"allgather_script.py failed:\n{run.stdout}\n{run.stderr}"
+    return json.loads(run.stdout)
+
+
+def test_script_runs_every_case(results):
+    want = [f"{p}/{c}" for p in PATHS for c in CHECKS] + ["own_slot_gradient_is_the_ranks_own_cotangent"]
+    assert sorted(results) == sorted(want)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("path", PATHS)
+def test_all_gather(path, check, results):
+    error = results[f"{path}/{check}"]
+    assert error is None, error
+
+
+def test_the_gradient_of_a_ranks_own_slot_is_indexed_by_a_traced_rank(results):
+    error = results["own_slot_gradient_is_the_ranks_own_cotangent"]
+    assert error is None, error
