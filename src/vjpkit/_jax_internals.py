@@ -660,3 +660,17 @@ def save_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
     if _DEBUG_INFO_CAN_BE_SAVED:
         leaf = _Leaf()
         _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaf,) * n_args, {}))
+
+
+# ---------------------------------------------------------------------------
+# The configuration a trace depends on (_checking/runner.py keys its checkers by it).
+
+
+def trace_configuration() -> tuple:
+    """JAX's trace-time configuration (x64, matmul precision, default device, ...), hashable.
+
+    Why: ``jax.jit`` keys its own caches on it, and a cache of traced
+    programs outside ``jax.jit`` must too. ``jax._src.config.trace_context``
+    in every supported JAX (0.4.38 to 0.12).
+    """
+    return _config.trace_context()

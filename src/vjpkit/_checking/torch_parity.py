@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _jax_internals
+from .. import _jax_internals
 
 # Central differences of the first derivative, when the second orders disagree.
 _FD_EPS = 1e-6
