@@ -100,6 +100,7 @@ def gradcheck(
 
 
 def run_check(fn, args, options, tol, naming, raise_exception) -> bool:
+    """One check, in float64 whatever the process-wide x64 setting (gradgradcheck's too)."""
     validate(options, tol)
     try:
         with _jax_internals.enable_x64(True):
@@ -112,6 +113,7 @@ def run_check(fn, args, options, tol, naming, raise_exception) -> bool:
 
 
 def _check(fn, args, options, tol, naming) -> None:
+    """Runs the compiled checking program; a failure's report may need a second, reporting program."""
     split, diff, fixed = split_inputs(args)
     if not diff:
         raise ValueError(
