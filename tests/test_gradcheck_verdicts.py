@@ -193,3 +193,94 @@ def test_gradcheck_verdict_is_the_compiled_programs_verdict(program):
     steps, reduce, x = program
     fn = build(steps, reduce)
     assert gradcheck_verdict(fn, x) is compiled_verdict(fn, x)
+
+
+# ---------------------------------------------------------------------------
+# The checker cache never changes a verdict: the same functions are checked
+# in every order, with inputs and options whose checking programs differ, and
+# each verdict must be the one written out for that call alone.
+
+
+def times_int8_successor(x, n):
+    """``x * (n + int8(1))``: for n = 127, 128 when n is a strong int32, -128 when weakly typed (int8 wraps)."""
+    return x * (n + jnp.int8(1)).astype(x.dtype)
+
+
+# Right only where n + int8(1) is 128: for a strongly typed n.
+TIMES_128_BACKWARD = jax.custom_vjp(times_int8_successor)
+TIMES_128_BACKWARD.defvjp(lambda x, n: (times_int8_successor(x, n), None), lambda _, g: (g * 128.0, None))
+
+
+class ScaleByStatic(vjpkit.Function):
+    """x * s for a static s; the backward is right only for s = 2 (an int: 2.0 is another key)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x * (s if isinstance(s, int) else s + 1.0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0, None
+
+
+class SquareWithWrongJvp(vjpkit.Function):
+    """x * x with a right backward and a wrong jvp: only check_forward_ad sees it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2.0 * g * x
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return 3.0 * t * x
+
+
+def first_leaf_doubled_if_a_dict(p):
+    leaf = jax.tree_util.tree_leaves(p)[0]
+    return leaf * (2.0 if isinstance(p, dict) else 3.0)
+
+
+# Right only for a dict argument.
+DOUBLED_BACKWARD = jax.custom_vjp(first_leaf_doubled_if_a_dict)
+DOUBLED_BACKWARD.defvjp(
+    lambda p: (first_leaf_doubled_if_a_dict(p), p),
+    lambda p, g: (jax.tree_util.tree_map(lambda _: 2.0 * g, p),),
+)
+
+X = np.array([0.7, -1.3, 0.4])
+# (function, inputs, options, the verdict of that check alone)
+CALLS = [
+    (TIMES_128_BACKWARD, (X, jnp.asarray(127, dtype=jnp.int32)), {}, True),
+    (TIMES_128_BACKWARD, (X, jnp.asarray(127)), {}, False),
+    (ScaleByStatic.apply, (X, 2), {}, True),
+    (ScaleByStatic.apply, (X, 2.0), {}, False),
+    (ScaleByStatic.apply, (X, 1.0), {}, True),
+    (SquareWithWrongJvp.apply, (X,), {}, True),
+    (SquareWithWrongJvp.apply, (X,), {"check_forward_ad": True}, False),
+    (SquareWithWrongJvp.apply, (X[:2],), {"check_forward_ad": True, "fast_mode": True}, False),
+    (DOUBLED_BACKWARD, ({"a": X},), {}, True),
+    (DOUBLED_BACKWARD, ([X],), {}, False),
+]
+
+
+def test_each_cached_check_has_the_verdict_written_out_for_it_alone():
+    for fn, inputs, options, verdict in CALLS:
+        vjpkit.clear_caches()
+        assert vjpkit.gradcheck(fn, inputs, raise_exception=False, **options) is verdict
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 15))
+@given(st.lists(st.sampled_from(range(len(CALLS))), min_size=2, max_size=8))
+def test_the_checker_cache_keeps_every_verdict_in_any_order_of_checks(order):
+    for i in order:
+        fn, inputs, options, verdict = CALLS[i]
+        assert vjpkit.gradcheck(fn, inputs, raise_exception=False, **options) is verdict, CALLS[i]
