@@ -1,5 +1,10 @@
 """vjpkit.testing: assertion helpers for a user's pytest suite, and seeded inputs."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +87,78 @@ def test_random_inputs_reject_malformed_items(spec):
 def test_random_inputs_reject_empty_spec():
     with pytest.raises(ValueError, match="empty input spec"):
         random_inputs("  ")
+
+
+# A subprocess in which importing the named modules fails, as when they are not installed.
+HIDING = """
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+"""
+
+EXP_PORT = """
+import numpy as np
+import jax.numpy as jnp
+import vjpkit
+from vjpkit.testing import assert_matches_torch
+
+class Exp(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = jnp.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+"""
+
+
+def run_hiding(hidden, body):
+    script = f"HIDDEN = {hidden!r}\n" + HIDING + EXP_PORT + textwrap.dedent(body)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_assert_matches_torch_works_without_pytest():
+    pytest.importorskip("torch")
+    done = run_hiding(("pytest", "_pytest"), """
+        import torch
+
+        class TorchExp(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                y = x.exp()
+                ctx.save_for_backward(y)
+                return y
+
+            @staticmethod
+            def backward(ctx, g):
+                (y,) = ctx.saved_tensors
+                return g * y
+
+        assert "pytest" not in sys.modules
+        assert_matches_torch(TorchExp, Exp, (np.linspace(-1.0, 1.0, 4),))
+        print("matched")
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "matched"
+
+
+def test_assert_matches_torch_without_torch_or_pytest_says_torch_is_needed():
+    done = run_hiding(("pytest", "_pytest", "torch"), """
+        try:
+            assert_matches_torch(object, Exp, (np.linspace(-1.0, 1.0, 4),))
+        except ModuleNotFoundError as e:
+            print(e)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "assert_matches_torch needs torch, which is not installed: install it (pip install torch) "
+        "to compare a port with it"
+    )

@@ -295,6 +295,33 @@ def test_an_output_count_mismatch_is_reported():
         assert_matches_torch(TorchExp, TwoOutputs, (X,))
 
 
+def checkpointed_exp_times_sin(x):
+    """A reentrant original: torch's CheckpointFunction refuses torch.autograd.grad."""
+    return torch.utils.checkpoint.checkpoint(lambda t: t.exp() * t.sin(), x, use_reentrant=True)
+
+
+def exp_times_sin(x):
+    return jnp.exp(x) * jnp.sin(x)
+
+
+@needs_torch
+def test_a_reentrant_checkpointed_original_matches_its_port():
+    assert_matches_torch(checkpointed_exp_times_sin, exp_times_sin, (X,))
+
+
+@needs_torch
+def test_a_reentrant_checkpoints_missing_double_backward_is_blamed_on_pytorch():
+    # The reentrant checkpoint recomputes without create_graph: torch's second derivative is zero.
+    with pytest.raises(AssertionError, match="agree with vjpkit, not with PyTorch"):
+        assert_matches_torch(checkpointed_exp_times_sin, exp_times_sin, (X,), check_second_order=True)
+
+
+@needs_torch
+def test_a_wrong_port_of_a_reentrant_original_is_caught():
+    with pytest.raises(AssertionError, match=r"the gradient with respect to input 0 \('x'\)"):
+        assert_matches_torch(checkpointed_exp_times_sin, lambda x: jnp.exp(x) * jax.lax.stop_gradient(jnp.sin(x)), (X,))
+
+
 def test_skips_when_torch_is_not_importable(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
     with pytest.raises(pytest.skip.Exception, match="needs torch"):

@@ -10,9 +10,9 @@ from importlib import metadata as _metadata
 from . import cpp_extension, testing
 from ._anomaly import detect_anomaly
 from ._caches import clear_caches
+from ._checking import GradcheckError, JacobianMismatch, gradcheck, gradgradcheck
 from ._ctx import FunctionCtx
 from ._function import CacheInfo, Function, function
-from ._gradcheck import GradcheckError, JacobianMismatch, gradcheck, gradgradcheck
 from ._host import VmapInfo
 from ._once import once_differentiable
 

@@ -660,3 +660,22 @@ def save_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
     if _DEBUG_INFO_CAN_BE_SAVED:
         leaf = _Leaf()
         _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaf,) * n_args, {}))
+
+
+# ---------------------------------------------------------------------------
+# The configuration a trace depends on (_checking/runner.py keys its checkers by it).
+
+
+# ``jax._src.config.trace_context`` in every supported JAX (0.4.38 on); no public name.
+_trace_context = _require(_config, "trace_context", "jax._src.config")
+
+
+def trace_configuration() -> tuple:
+    """JAX's trace-time configuration (x64, matmul precision, default device, ...), hashable.
+
+    Why: ``jax.jit`` keys its own caches on it, and a cache of traced
+    programs outside ``jax.jit`` must too. In JAX 0.4.38 to 0.7,
+    ``thread_local_flag`` replaces the code of this same function object, so
+    vjpkit's own states (``detect_anomaly``) are part of it there too.
+    """
+    return _trace_context()

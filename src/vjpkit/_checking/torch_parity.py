@@ -31,20 +31,27 @@ PyTorch's ``grad(y, z, c)`` equals ``conj(vjp(conj(c)))`` in JAX; the
 comparison applies that rule, so a faithful port matches and reports show
 gradients in PyTorch's convention.
 
-torch is never a dependency of vjpkit: it is imported when the helper
-runs, and without it the calling test is skipped (``pytest.skip``).
+An original that refuses ``torch.autograd.grad`` (``torch.utils.checkpoint``
+with ``use_reentrant=True``) is differentiated through ``.backward()``.
+
+torch is never a dependency of vjpkit, nor is pytest: torch is imported when
+the helper runs; without it, a test run by pytest is skipped, and elsewhere
+the helper raises ``ModuleNotFoundError``.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
+import warnings
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _jax_internals
+from .. import _jax_internals
+from .report import format_element
 
 # Central differences of the first derivative, when the second orders disagree.
 _FD_EPS = 1e-6
@@ -99,7 +106,8 @@ def assert_matches_torch(
         AssertionError: listing every mismatching output or gradient.
         ValueError: ``differentiate`` has the wrong length, or marks an
             input that is not a floating or complex array.
-        pytest.skip.Exception: when torch is not importable.
+        ModuleNotFoundError: when torch is not importable (under pytest, the
+            calling test is skipped instead).
     """
     __tracebackhide__ = True  # pytest: show the caller's line
     torch = _import_torch()
@@ -134,10 +142,7 @@ def assert_matches_torch(
     pairs = [(y, torch.tensor(c)) for y, c, d in zip(t_outs, cts, t_differentiable, strict=True) if d]
     t_grads: list = [None] * len(diff)
     if pairs and diff:
-        t_grads = list(torch.autograd.grad(
-            [y for y, _ in pairs], [t_inputs[k] for k in diff], [c for _, c in pairs],
-            allow_unused=True, retain_graph=check_second_order,
-        ))
+        t_grads = _torch_grad(torch, [y for y, _ in pairs], [t_inputs[k] for k in diff], [c for _, c in pairs])
     vs = [_random_like(rng, inputs[k]) for k in diff]
 
     def sin_loss(outs: Sequence[Any], cotangents: Sequence[Any]) -> Any:
@@ -150,19 +155,18 @@ def assert_matches_torch(
         """The gradient of ``sin_loss`` with respect to the differentiated inputs."""
         leaves, outs = run_torch(values)
         wrt = [leaves[k] for k in diff]
-        grads = torch.autograd.grad(sin_loss(outs, [torch.tensor(c) for c in cts]), wrt, allow_unused=True)
+        grads = _torch_grad(torch, [sin_loss(outs, [torch.tensor(c) for c in cts])], wrt)
         return [np.zeros(w.shape, _numpy(torch, w).dtype) if g is None else _numpy(torch, g)
                 for g, w in zip(grads, wrt, strict=True)]
 
     t_second: list = []
     if check_second_order and diff:
         t_cts = [torch.tensor(c, requires_grad=True) for c in cts]
-        first = torch.autograd.grad(sin_loss(t_outs, t_cts), [t_inputs[k] for k in diff],
-                                    allow_unused=True, create_graph=True)
+        first = _torch_grad(torch, [sin_loss(t_outs, t_cts)], [t_inputs[k] for k in diff], create_graph=True)
         s = sum((g * torch.tensor(v).conj()).real.sum() for g, v in zip(first, vs, strict=True) if g is not None)
         wrt = [t_inputs[k] for k in diff] + [c for c, d in zip(t_cts, t_differentiable, strict=True) if d]
         if isinstance(s, torch.Tensor) and s.requires_grad:
-            t_second = [None if g is None else _numpy(torch, g) for g in torch.autograd.grad(s, wrt, allow_unused=True)]
+            t_second = [None if g is None else _numpy(torch, g) for g in _torch_grad(torch, [s], wrt)]
         else:
             t_second = [None] * len(wrt)
 
@@ -329,7 +333,7 @@ class _Report:
         self.problems.append(
             f"{what}: {int((~ok).sum())} of {expected.size} elements differ by more than "
             f"atol + rtol * |torch| (atol={self.atol:g}, rtol={self.rtol:g}).\n"
-            f"  worst: element {_element(worst)}\n"
+            f"  worst: element {format_element(worst)}\n"
             f"    torch:  {e!r}\n"
             f"    vjpkit: {g!r}\n"
             f"    abs diff: {abs(g - e):.6g}    rel diff: {rel:.6g}"
@@ -346,13 +350,44 @@ class _Report:
 
 
 def _import_torch() -> Any:
+    """torch; without it, the calling test is skipped under pytest, and an ImportError elsewhere."""
     try:
         import torch
-    except ImportError:
-        import pytest
-
-        pytest.skip("assert_matches_torch needs torch, which is not installed")
+    except ImportError as e:
+        message = "assert_matches_torch needs torch, which is not installed"
+        pytest = sys.modules.get("pytest")  # only a test that pytest runs can be skipped
+        if pytest is not None:
+            pytest.skip(message)
+        raise ModuleNotFoundError(f"{message}: install it (pip install torch) to compare a port with it") from e
     return torch
+
+
+def _torch_grad(torch: Any, outputs: list, inputs: list, grad_outputs: list | None = None,
+                create_graph: bool = False) -> list:
+    """``torch.autograd.grad(outputs, inputs, grad_outputs)`` (``None`` for an unused input).
+
+    A reentrant original (``torch.utils.checkpoint`` with ``use_reentrant=True``)
+    refuses ``torch.autograd.grad``; it is driven through ``.backward()``,
+    reading each input's ``.grad``, as its users do. The graph is kept, so
+    that the retry (and the second order) can run through it again.
+    """
+    try:
+        return list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True,
+                                        retain_graph=True, create_graph=create_graph))
+    except RuntimeError as e:
+        if "use_reentrant" not in str(e):
+            raise
+    before = [x.grad for x in inputs]
+    for x in inputs:
+        x.grad = None
+    with warnings.catch_warnings():
+        # create_graph with .backward() warns of a reference cycle through .grad, undone below.
+        warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
+        torch.autograd.backward(outputs, grad_outputs, retain_graph=True, create_graph=create_graph)
+    grads = [x.grad for x in inputs]
+    for x, grad in zip(inputs, before, strict=True):
+        x.grad = grad
+    return grads
 
 
 def _input_names(torch_fn: Any, n: int) -> list[str]:
@@ -437,10 +472,6 @@ def _numpy(torch: Any, t: Any) -> np.ndarray:
 
 def _float0(y: Any) -> np.ndarray:
     return np.zeros(y.shape, jax.dtypes.float0)
-
-
-def _element(index: tuple) -> str:
-    return "(" + ", ".join(str(int(i)) for i in index) + ("," if len(index) == 1 else "") + ")"
 
 
 def _as_float64(v: Any) -> np.ndarray:
