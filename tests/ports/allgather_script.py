@@ -168,6 +168,23 @@ def vmap_inside_shard_map_matches_loop(group):
                 np.testing.assert_allclose(np.asarray(g[:, b]), np.asarray(w), rtol=1e-12)
 
 
+def per_rank_outputs_need_no_opt_out_of_the_varying_check(group):
+    if hasattr(jax, "shard_map"):
+        checked = jax.shard_map(lambda x: AllGather.apply(group, x), mesh=MESH, in_specs=P(AXIS),
+                                out_specs=(P(AXIS),) * R, check_vma=True)
+    else:  # JAX before 0.6: the experimental shard_map's replication check
+        from jax.experimental.shard_map import shard_map as experimental_shard_map
+        checked = experimental_shard_map(lambda x: AllGather.apply(group, x), mesh=MESH, in_specs=P(AXIS),
+                                         out_specs=(P(AXIS),) * R, check_rep=True)
+
+    def loss(gather):
+        return lambda x: sum((k + 1.0) * jnp.sin(o).sum() for k, o in enumerate(gather(x)))
+
+    with enable_x64(True):
+        x = jnp.asarray(X)
+        np.testing.assert_allclose(jax.grad(loss(checked))(x), jax.grad(loss(on_ranks(group)))(x), rtol=1e-12)
+
+
 def own_slot_gradient_is_the_ranks_own_cotangent():
     cts = np.random.default_rng(33).standard_normal((R, R, 3))  # slot j, rank r
 
@@ -190,7 +207,7 @@ def main():
         results["own_slot_gradient_is_the_ranks_own_cotangent"] = traceback.format_exc()
     for group in ("nccl", "gloo"):
         for check in (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch,
-                      vmap_inside_shard_map_matches_loop):
+                      vmap_inside_shard_map_matches_loop, per_rank_outputs_need_no_opt_out_of_the_varying_check):
             try:
                 check(group)
                 results[f"{group}/{check.__name__}"] = None

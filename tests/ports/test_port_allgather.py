@@ -18,7 +18,7 @@ import pytest
 SCRIPT = pathlib.Path(__file__).with_name("allgather_script.py")
 PATHS = ["nccl", "gloo"]  # the original's backward: reduce-scatter, or all-to-all and a sum
 CHECKS = ["matches_torch", "matches_torch_to_second_order", "jit_grad_matches_torch",
-          "vmap_inside_shard_map_matches_loop"]
+          "vmap_inside_shard_map_matches_loop", "per_rank_outputs_need_no_opt_out_of_the_varying_check"]
 
 # The from_torch tests cannot run it: the original needs a process group on every rank.
 FROM_TORCH_CASES: list = []

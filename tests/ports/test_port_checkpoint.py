@@ -112,3 +112,18 @@ def test_checkpoint_gradcheck_and_vmap():
     per_row = jax.vmap(jax.grad(lambda x: CheckpointFunction.apply(block, False, params, x).sum()))(X[:, None, :])
     loop = [jax.grad(lambda x: block(params, x).sum())(X[b:b + 1]) for b in range(len(X))]
     np.testing.assert_allclose(per_row, np.stack(loop), rtol=1e-5)
+
+
+def test_checkpoint_second_derivative_matches_plain_autodiff():
+    v = RNG.standard_normal(X.shape)
+
+    def hvp(run):
+        loss = lambda params, x: jnp.sin(run(params, x)).sum()  # noqa: E731
+        return jax.jit(jax.grad(lambda params, x: jnp.vdot(jax.grad(loss, argnums=1)(params, x), v), argnums=(0, 1)))
+
+    with enable_x64(True):
+        params, x = jax.tree.map(jnp.asarray, PARAMS), jnp.asarray(X)
+        got = hvp(lambda params, x: CheckpointFunction.apply(block, False, params, x))(params, x)
+        want = hvp(block)(params, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
