@@ -99,3 +99,28 @@ def test_python_dash_m_vjpkit_runs_the_check():
     )
     assert result.returncode == 1, result.stderr
     assert "Jacobian mismatch for output 0 with respect to input 1" in result.stdout
+
+
+def test_version_option_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"vjpkit {version('vjpkit')}\n"
+
+
+def test_package_version_is_the_installed_distribution_version():
+    from importlib.metadata import version
+
+    import vjpkit
+
+    assert vjpkit.__version__ == version("vjpkit")
+
+
+def test_console_command_is_declared_and_runs_the_same_main():
+    from importlib.metadata import entry_points
+
+    (command,) = [e for e in entry_points(group="console_scripts") if e.name == "vjpkit"]
+    assert command.value == "vjpkit.__main__:main"
+    assert command.load() is main

@@ -185,7 +185,8 @@ def load_inline(
         functions: the handler names to register and return.
         vmap_method: how calls batch under ``vmap`` unless a call says
             otherwise: ``"sequential"``, ``"expand_dims"`` or ``"broadcast_all"``.
-        extra_cflags, extra_ldflags: more compiler and linker arguments.
+        extra_cflags: more compiler arguments.
+        extra_ldflags: more linker arguments.
         build_directory: where libraries are cached (see the module's tips).
         verbose: print the compiler's commands and output.
 

@@ -59,7 +59,8 @@ def gradcheck(
             single argument. Floating and complex array leaves are perturbed;
             other leaves are held fixed.
         eps: finite-difference step.
-        atol, rtol: tolerances, as in ``numpy.allclose(analytical, numerical)``.
+        atol: absolute tolerance, as in ``numpy.allclose(analytical, numerical)``.
+        rtol: relative tolerance, as in ``numpy.allclose(analytical, numerical)``.
         raise_exception: raise :class:`GradcheckError` on failure (default),
             or return False.
         fast_mode: compare ``v^T J u`` for random ``u, v`` instead of the

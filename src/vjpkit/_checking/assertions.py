@@ -32,7 +32,8 @@ def assert_gradcheck(fn: Callable[..., Any], inputs: Any, **options: Any) -> Non
     """Asserts that ``vjpkit.gradcheck(fn, inputs, **options)`` passes.
 
     Args:
-        fn, inputs: as for :func:`vjpkit.gradcheck`.
+        fn: as for :func:`vjpkit.gradcheck`.
+        inputs: as for :func:`vjpkit.gradcheck`.
         **options: ``eps``, ``atol``, ``rtol``, ``fast_mode`` and the other
             keyword options of :func:`vjpkit.gradcheck` (not
             ``raise_exception``).

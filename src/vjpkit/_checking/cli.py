@@ -44,7 +44,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    import vjpkit  # fully imported by the time the command line runs
+
     parser = _Parser(prog="python -m vjpkit", description="vjpkit command line tools.")
+    parser.add_argument("--version", action="version", version=f"vjpkit {vjpkit.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check = commands.add_parser(
         "check",

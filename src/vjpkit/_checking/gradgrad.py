@@ -43,17 +43,18 @@ def gradgradcheck(
     gradients of ``fn``'s differentiable inputs, ``jax.vjp(fn, *inputs)``
     pulled back along ``grad_outputs``; it is differentiated with respect
     to both. This exercises differentiating through ``backward`` (which
-    ``once_differentiable`` forbids).
+    ``once_differentiable`` forbids). The keyword options (``eps``,
+    ``atol``, ``rtol``, ``raise_exception``, ``fast_mode``, ``nondet_tol``,
+    ``check_undefined_grad``, ``check_batched_grad``, ``check_forward_ad``,
+    ``check_backward_ad``) are :func:`gradcheck`'s, applied to the VJP
+    function (``check_forward_ad`` checks forward-over-reverse).
 
     Args:
-        fn, inputs: as for :func:`gradcheck`.
+        fn: as for :func:`gradcheck`.
+        inputs: as for :func:`gradcheck`.
         grad_outputs: one cotangent per differentiable output leaf of ``fn``
             (in ``jax.tree_util.tree_leaves`` order), as a tuple or a single
             array. Default: seeded uniform(-1, 1) float64 values.
-        eps, atol, rtol, raise_exception, fast_mode, nondet_tol,
-        check_undefined_grad, check_batched_grad, check_forward_ad,
-        check_backward_ad: as for :func:`gradcheck`, applied to the VJP
-            function (``check_forward_ad`` checks forward-over-reverse).
 
     Returns:
         True when the check passes; False on failure when

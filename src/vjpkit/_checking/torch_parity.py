@@ -92,7 +92,8 @@ def assert_matches_torch(
         grad_outputs: one cotangent per output; default: seeded standard
             normal arrays (complex for complex outputs; zeros for outputs
             torch does not differentiate).
-        atol, rtol: elementwise ``|vjpkit - torch| <= atol + rtol * |torch|``.
+        atol: absolute tolerance: elementwise ``|vjpkit - torch| <= atol + rtol * |torch|``.
+        rtol: relative tolerance, in the same comparison.
         check_second_order: also compare Hessian-vector products of
             ``L = sum(real(conj(c) * sin(y)))`` over the differentiable
             outputs ``y`` (``c``: the cotangents), with respect to the
