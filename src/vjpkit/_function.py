@@ -66,6 +66,7 @@ class _Program(Program):
             n_arrays = len(layout.dynamic)
             for fn, role in ((primal, "fun"), (fwd, "fwd"), (bwd, "bwd")):
                 _jax_internals.save_debug_info(fn, f"custom_vjp {role}", n_arrays)
+            bwd._vjpkit_spec = spec  # type: ignore[attr-defined]  # names the class in forward mode (below)
             self.differentiable = jax.custom_vjp(primal)
             self.differentiable.defvjp(fwd, bwd, symbolic_zeros=True)
         else:
@@ -128,6 +129,28 @@ def _no_forward_mode(spec: Spec) -> TypeError:
         f"jax.linearize): it defines backward but no jvp. Add a "
         f"jvp(ctx, *tangents) staticmethod to {spec.name}, or use reverse "
         "mode (jax.grad, jax.vjp, jax.jacrev)."
+    )
+
+
+def _no_forward_mode_of_linearized(bwd: Any) -> TypeError | None:
+    # jax.jvp may reuse what an earlier jax.grad of the same jitted function kept: the message must not depend on
+    # which came first.
+    spec = getattr(bwd, "_vjpkit_spec", None)
+    return None if spec is None else _no_forward_mode(spec)
+
+
+_jax_internals.explain_forward_mode_of_linearized(_no_forward_mode_of_linearized)
+
+
+def _closed_over_differentiated(spec: Spec, how: str) -> TypeError:
+    # JAX raises CustomVJPException or UnexpectedTracerError, naming neither the class nor the value's way in.
+    return TypeError(
+        f"{spec.name}.forward uses a value that JAX is differentiating but that is not an argument of "
+        f"{spec.name}.apply: {spec.name} {how} (a function argument closing over parameters, "
+        f"{spec.name}.apply(lambda x: f(x, w), x) under jax.grad with respect to w, or a class defined "
+        f"inside the differentiated function using its variables). {spec.name}'s derivative covers "
+        f"apply's arguments only, so pass the value as an argument of its own ({spec.name}.apply(f, x, w), "
+        f"with f taking it) and return its gradient from {spec.name}.backward (its tangent from jvp)."
     )
 
 
@@ -485,11 +508,15 @@ def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
 def _reraise(spec: Spec, program: _Program, e: Exception) -> None:
     """Raises vjpkit's error for a JAX error that it can explain better; returns otherwise."""
     if isinstance(e, UnexpectedTracerError):
+        if spec.closes_over_tracer:  # JAX's report for a closure over a value it differentiates
+            raise _closed_over_differentiated(spec, "closes over it") from None
         raise _leaked_tracer(spec, e) from None
     # JAX reuses a forward rule it traced for reverse mode, so vjpkit's own
     # check in _fwd can be skipped; name the class here instead.
     if _jax_internals.is_forward_mode_of_custom_vjp_error(e):
         raise _no_forward_mode(spec) from None
+    if _jax_internals.is_closed_over_differentiated_error(e):
+        raise _closed_over_differentiated(spec, "holds it in a closure passed in") from None
     if program.anomaly:  # a failed check, wrapped by JAX in JaxRuntimeError
         _anomaly.reraise_anomaly(e)
 
@@ -601,6 +628,9 @@ class Function(metaclass=_FunctionMeta):
     jit: bool = True
     cache_size: int = 256
     host: bool = False  # forward/backward in NumPy (see _host.py)
+    vmap_method: str = "sequential"  # how jax.vmap batches a host Function's callbacks (see _host.py)
+    # PyTorch's flag: jax.vmap batches forward as written unless a vmap staticmethod is defined.
+    generate_vmap_rule: bool = False
 
     @staticmethod
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:

@@ -66,6 +66,10 @@ class OwnDerivative:
         transposed by JAX).
         """
         spec = self.spec
+        if spec.closes_over_tracer and spec.jvp is not None and spec.backward is None:
+            # jvp closes over a tracer of an enclosing transformation, which a primitive's rule cannot hold;
+            # inline, jvp runs where that tracer lives (reverse mode transposes it either way), as a custom_jvp.
+            return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
 
         shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
         gradient_shardings = [shardings[d] for d in self.linear]
@@ -310,6 +314,8 @@ class _Tie:
 
         ``tangents`` has one per operand, ``ad.Zero`` where JAX knows it is zero.
         """
+        # Evaluated eagerly (jax.remat outside jit), a Python scalar operand arrives as JAX's weakly typed float.
+        primals = as_arrays(primals)
         inputs = [primals[at] for at in self.inputs_at]
         moving = [
             d for d, at in enumerate(self.inputs_at)
