@@ -548,7 +548,8 @@ def test_initial_style_vmap_with_collective():
         def backward(ctx, dx):
             return dx
 
-    out = jax.vmap(lambda _, x: F.apply(x), axis_name="foo", in_axes=(0, None), out_axes=None)(jnp.arange(4.0), jnp.float32(2.0))
+    summed = jax.vmap(lambda _, x: F.apply(x), axis_name="foo", in_axes=(0, None), out_axes=None)
+    out = summed(jnp.arange(4.0), jnp.float32(2.0))
     close(out, 8.0)
 
 
