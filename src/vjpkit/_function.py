@@ -515,8 +515,18 @@ def _reraise(spec: Spec, program: _Program, e: Exception) -> None:
     # check in _fwd can be skipped; name the class here instead.
     if _jax_internals.is_forward_mode_of_custom_vjp_error(e):
         raise _no_forward_mode(spec) from None
+    how = "closes over it" if spec.closes_over_tracer else "holds it in a closure passed in"
     if _jax_internals.is_closed_over_differentiated_error(e):
-        raise _closed_over_differentiated(spec, "holds it in a closure passed in") from None
+        raise _closed_over_differentiated(spec, how) from None
+    tracer = _jax_internals.closed_over_tracer_type(e)
+    if tracer is not None:
+        # A tracer that no argument brought in, which JAX's lowering met as a constant.
+        if tracer in ("JVPTracer", "LinearizeTracer"):
+            raise _closed_over_differentiated(spec, how) from None
+        raise TypeError(
+            f"{spec.name}'s methods use a value of an enclosing transformation ({tracer}) that is not an "
+            f"argument of {spec.name}.apply: {spec.name} {how}. Pass the value as an argument of its own."
+        ) from None
     if program.anomaly:  # a failed check, wrapped by JAX in JaxRuntimeError
         _anomaly.reraise_anomaly(e)
 

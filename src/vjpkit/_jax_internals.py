@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 import sys
 import types
 from typing import Any, Callable, NamedTuple
@@ -710,3 +711,14 @@ _JAX_CLOSED_OVER_DIFFERENTIATED = (
 def is_closed_over_differentiated_error(e: BaseException) -> bool:
     """Whether ``e`` is JAX's "differentiation with respect to a closed-over value" error."""
     return str(e).startswith(_JAX_CLOSED_OVER_DIFFERENTIATED)
+
+
+# JAX's lowering meets a tracer of an enclosing transformation as a constant (a rule closing over it):
+# "No constant handler for type: <class '...BatchTracer'>" in every JAX from 0.4.38.
+_NO_CONSTANT_HANDLER = re.compile(r"No constant handler for type: <class '[\w.]*\.(\w*Tracer)'>")
+
+
+def closed_over_tracer_type(e: BaseException) -> str | None:
+    """The tracer's type name (``JVPTracer``, ``BatchTracer``, ...) if ``e`` is that error, else None."""
+    match = _NO_CONSTANT_HANDLER.match(str(e)) if isinstance(e, TypeError) else None
+    return None if match is None else match.group(1)

@@ -95,7 +95,8 @@ class OwnDerivative:
         program, meta = self.program, self.meta
         assert self.spec.jvp is not None  # chosen by tangents() only for a class with jvp
         tangent_leaves: list = [None] * len(self.in_avals)
-        for d, t in zip(self.linear, linear, strict=True):
+        # Evaluated eagerly (jax.linearize of a jaxpr), a tangent may be JAX's weakly typed Python scalar.
+        for d, t in zip(self.linear, as_arrays(linear), strict=True):
             tangent_leaves[d] = t
         for d, t in enumerate(tangent_leaves):
             if t is None and meta.materialize and is_differentiable_dtype(self.in_avals[d][1]):
