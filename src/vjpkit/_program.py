@@ -291,14 +291,18 @@ def _output_dims(name: str, out: Any, out_dims: Any, out_layout: Partition) -> l
     """The batch axis (or None) of each array output, from the vmap rule's ``out_dims``."""
     if out_dims is None or isinstance(out_dims, int):
         return [out_dims] * len(out_layout.dynamic)
+    incompatible = TypeError(
+        f"{name}.vmap returned out_dims {out_dims!r}, incompatible with its outputs: expected an int or None, "
+        f"or one per output in the outputs' structure {jax.tree_util.tree_structure(out)}."
+    )
     try:
         per_leaf = jax.tree_util.tree_structure(out).flatten_up_to(out_dims)  # type: ignore[attr-defined]
     except (ValueError, TypeError):
-        raise TypeError(
-            f"{name}.vmap returned out_dims {out_dims!r}: expected an int or None, or one per output "
-            f"in the outputs' structure {jax.tree_util.tree_structure(out)}."
-        ) from None
-    return [per_leaf[k] for k in out_layout.dynamic]
+        raise incompatible from None
+    dims = [per_leaf[k] for k in out_layout.dynamic]
+    if not all(d is None or isinstance(d, int) for d in dims):
+        raise incompatible
+    return dims
 
 
 def _defined(cls: type, base: type, method: str) -> Callable | None:
