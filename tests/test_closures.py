@@ -145,3 +145,50 @@ def test_function_argument_taking_the_parameters_as_an_argument():
     x = jnp.array([0.5, 1.0, 2.0])
     got = jax.grad(lambda w: Checkpoint.apply(f, x, w).sum())(2.0)
     np.testing.assert_allclose(got, jax.grad(lambda w: f(x, w).sum())(2.0), rtol=1e-6)
+
+
+def _scale_by(y):
+    """A class made inside the transformed function, with jvp and backward both closing over its y."""
+
+    class Scale(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2.0
+
+        @staticmethod
+        def jvp(ctx, t):
+            return t * y
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * y
+
+    return Scale
+
+
+def test_jvp_and_backward_closing_over_a_vmap_tracer_in_forward_mode():
+    tangents = jax.vmap(lambda y: jax.jvp(_scale_by(y).apply, (1.0,), (1.0,))[1])(jnp.arange(3.0))
+    np.testing.assert_allclose(tangents, np.arange(3.0))
+
+
+def test_jvp_and_backward_closing_over_a_vmap_tracer_in_reverse_mode():
+    # jvp runs inline where the tracer lives, and reverse mode transposes it (as for a jax.custom_jvp).
+    grads = jax.vmap(lambda y: jax.grad(_scale_by(y).apply)(1.0))(jnp.arange(3.0))
+    np.testing.assert_allclose(grads, np.arange(3.0))
+
+
+def test_ctx_attribute_closing_over_a_vmap_tracer():
+    def per_example(y):
+        class Scale(vjpkit.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.scale = lambda g: g * y  # static data closing over the enclosing vmap's tracer
+                return x * 2.0
+
+            @staticmethod
+            def backward(ctx, g):
+                return ctx.scale(g)
+
+        return jax.grad(Scale.apply)(1.0)
+
+    np.testing.assert_allclose(jax.vmap(per_example)(jnp.arange(3.0)), np.arange(3.0))

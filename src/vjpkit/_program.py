@@ -58,7 +58,8 @@ class Spec:
         self.takes_inputs = any(name not in sig.defaults for name in (*sig.positional, *sig.keyword_only))
         # A class made inside a transformed function may close over that function's tracers, which a jit of
         # its own cannot hold (JAX lowers them as constants): such a class runs as a plain custom_vjp does.
-        self.closes_over_tracer = _closes_over_tracer(self.forward, self.backward, self.jvp, self.setup_context)
+        self.closure_tracers = _closure_tracers(self.forward, self.backward, self.jvp, self.setup_context)
+        self.closes_over_tracer = bool(self.closure_tracers)
         self.jit = bool(cls.jit) and not self.closes_over_tracer
         self.cache_size = _cache_size(self.name, cls.cache_size)
         self.once_differentiable = is_once_differentiable(self.backward)
@@ -198,17 +199,17 @@ def _cache_size(name: str, value: Any) -> int:
     return value
 
 
-def _closes_over_tracer(*methods: Any) -> bool:
-    """Whether some method's closure holds a JAX tracer (directly, or as a leaf of a pytree)."""
+def _closure_tracers(*methods: Any) -> frozenset:
+    """The ids of the JAX tracers that the methods' closures hold (directly, or as leaves of pytrees)."""
+    found = set()
     for method in methods:
         for cell in getattr(method, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
             except ValueError:  # not yet bound (the class itself, referred to by its own methods)
                 continue
-            if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(value)):
-                return True
-    return False
+            found.update(id(leaf) for leaf in jax.tree_util.tree_leaves(value) if isinstance(leaf, jax.core.Tracer))
+    return frozenset(found)
 
 
 def _vmap_rule(cls: Any, spec: Spec) -> Callable | None:
@@ -441,6 +442,8 @@ class Program:
                 if found is None:
                     continue
                 inner, tracer = found
+                if id(tracer) in self.spec.closure_tracers:
+                    continue  # a tracer of the enclosing transformation, which the methods close over too
                 leaf_path = _leaf_path(value, position)
                 owner = type(leaf).__name__
                 raise TypeError(

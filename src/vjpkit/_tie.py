@@ -66,9 +66,9 @@ class OwnDerivative:
         transposed by JAX).
         """
         spec = self.spec
-        if spec.closes_over_tracer and spec.jvp is not None and spec.backward is None:
-            # jvp closes over a tracer of an enclosing transformation, which a primitive's rule cannot hold;
-            # inline, jvp runs where that tracer lives (reverse mode transposes it either way), as a custom_jvp.
+        if spec.closes_over_tracer and spec.jvp is not None:
+            # The methods close over a tracer of an enclosing transformation, which a primitive's rule cannot
+            # hold: jvp runs inline, where that tracer lives, and reverse mode transposes it (a custom_jvp's way).
             return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
 
         shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
