@@ -201,7 +201,7 @@ def _cache_size(name: str, value: Any) -> int:
 
 def _closure_tracers(*methods: Any) -> frozenset:
     """The ids of the JAX tracers that the methods' closures hold (directly, or as leaves of pytrees)."""
-    found = set()
+    found: set[int] = set()
     for method in methods:
         for cell in getattr(method, "__closure__", None) or ():
             try:
