@@ -1146,3 +1146,21 @@ def test_ensure_compile_time_eval():
             return F.apply(0.0)
 
     close(g(), 0.0)
+
+
+def test_hard_stuff():
+    # CustomJVPTest.test_hard_stuff: jit of vmap of a determinant (JAX's det is a custom_jvp; here a Function).
+    class Det(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_forward(x)
+            return jnp.linalg.det(x)
+
+        @staticmethod
+        def jvp(ctx, t):
+            (x,) = ctx.saved_tensors
+            return jnp.linalg.det(x) * jnp.trace(jnp.linalg.solve(x, t))
+
+    arr = jnp.ones((5, 2, 2)) + jnp.eye(2)
+    close(jax.jit(jax.vmap(Det.apply))(arr), np.full(5, 3.0))
+    close(jax.jit(jax.vmap(jax.grad(Det.apply)))(arr), jax.vmap(jax.grad(jnp.linalg.det))(arr), rtol=1e-5)

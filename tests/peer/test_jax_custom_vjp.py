@@ -1328,3 +1328,51 @@ def test_resolve_kwargs_error_message():
     with pytest.raises(TypeError, match=r"F.apply missing required argument 'y'"):
         F.apply(0.5)
     close(F.apply(jnp.float32(0.5), 0.1, z=1.0), (jnp.sin(0.5), 0.5 + jnp.cos(0.1)))
+
+
+def test_custom_gradient_can_return_singleton_value_in_vjp():
+    # CustomVJPTest.test_custom_gradient_can_return_singleton_value_in_vjp: backward returns a bare array.
+    class F(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x**2
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * x
+
+    close(F.apply(jnp.float32(3.0)), 9.0)
+    close(jax.grad(F.apply)(3.0), 3.0)
+    close(jax.grad(jax.grad(F.apply))(3.0), 1.0)
+
+
+def test_nondiff_argnames():
+    # CustomVJPTest.test_nondiff_argnames: the callable passed by keyword is static.
+    app = _app().apply
+    close(app(f=lambda x: 2 * x, x=jnp.asarray(1)), 2)
+    close(jax.value_and_grad(lambda x: app(f=lambda y: 2 * y, x=x))(1.0), (2.0, jnp.cos(1.0)))
+
+
+def test_lowering_out_of_traces():
+    # CustomVJPTest.test_lowering_out_of_traces (jax#2578): a callable namedtuple (a pytree) passed through jit.
+    import collections
+
+    class Relu(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return jax.nn.relu(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return jnp.where(x > 0, g, 0.0)
+
+    class F(collections.namedtuple("F", ["a"])):
+        def __call__(self, x):
+            return Relu.apply(self.a) * x
+
+    g = jax.jit(lambda f, x: f(x))
+    close(jax.grad(g, argnums=(1,))(F(2.0), 0.0), (2.0,))
