@@ -192,3 +192,20 @@ def test_ctx_attribute_closing_over_a_vmap_tracer():
         return jax.grad(Scale.apply)(1.0)
 
     np.testing.assert_allclose(jax.vmap(per_example)(jnp.arange(3.0)), np.arange(3.0))
+
+
+def test_function_argument_closing_over_a_vmap_tracer_under_grad():
+    # A static function argument holding the enclosing vmap's tracer (not differentiated): per-example gradients.
+    class App(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, f, x):
+            ctx.save_for_backward(x)
+            return f(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return None, 3.0 * g * x  # not f's derivative, so the test sees backward run
+
+    grads = jax.vmap(lambda y: jax.grad(lambda x: App.apply(lambda x: x * y, x))(2.0))(jnp.arange(3.0))
+    np.testing.assert_allclose(grads, np.full(3, 6.0))

@@ -33,7 +33,7 @@ from ._forward import forward_mode_function
 from ._outputs import Packed
 from ._program import Program, Residuals, Spec, as_arrays
 from ._tie import tie_outputs
-from ._tree import Partition, Unkeyable, static_key
+from ._tree import Partition, Unkeyable, find_tracer, static_key
 
 
 class CacheInfo(NamedTuple):
@@ -430,9 +430,14 @@ class _Cache:
             if shape.keyer is None and not shape.routes:  # the leaf types fix which leaves are static
                 shape.keyer = _keyer(leaves, tuple(i for i, x in enumerate(leaves) if not is_array(x)))
             statics = () if shape.keyer is None else shape.keyer(leaves)
-            # On concrete arrays, the jit (it inlines if an outer jit traces); on tracers, _run_in_trace.
+            # On concrete arrays, the jit (it inlines if an outer jit traces); on tracers, _run_in_trace; with a
+            # static argument holding a tracer of an enclosing transformation (a function closing over it), the
+            # custom_vjp itself, as for a class whose methods close over one (a jit of its own cannot hold it).
             on_tracers = entry.jitted is None or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
-            route = (entry, pick, functools.partial(_run_in_trace, entry) if on_tracers else entry.on_arrays)
+            run: Any = functools.partial(_run_in_trace, entry) if on_tracers else entry.on_arrays
+            if any(find_tracer(value) for _, value in layout.static):
+                run = functools.partial(_run_unjitted, entry)
+            route = (entry, pick, run)
             shape.add(statics, route)
             entry.routes.append((*path, (shape, statics)))
             if len(entry.routes) > _SHAPES_PER_PROGRAM:
@@ -505,17 +510,25 @@ def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
     return entry.jitted(*arrays)
 
 
-def _reraise(spec: Spec, program: _Program, e: Exception) -> None:
+def _run_unjitted(entry: _Entry, *arrays: Any) -> Any:
+    """A call whose static arguments hold a tracer of an enclosing transformation."""
+    if entry.program.spec.jvp is None and _jax_internals.linearizing():
+        raise _no_forward_mode(entry.program.spec)
+    return entry.program.differentiable(*map(as_jax_leaf, arrays))
+
+
+def _reraise(spec: Spec, program: _Program, e: Exception, run: Any) -> None:
     """Raises vjpkit's error for a JAX error that it can explain better; returns otherwise."""
+    passed_in = getattr(run, "func", None) is _run_unjitted  # a static argument holds an outer tracer
+    how = "holds it in a closure passed in" if passed_in or not spec.closes_over_tracer else "closes over it"
     if isinstance(e, UnexpectedTracerError):
-        if spec.closes_over_tracer:  # JAX's report for a closure over a value it differentiates
-            raise _closed_over_differentiated(spec, "closes over it") from None
+        if spec.closes_over_tracer or passed_in:  # JAX's report for a closure over a value it differentiates
+            raise _closed_over_differentiated(spec, how) from None
         raise _leaked_tracer(spec, e) from None
     # JAX reuses a forward rule it traced for reverse mode, so vjpkit's own
     # check in _fwd can be skipped; name the class here instead.
     if _jax_internals.is_forward_mode_of_custom_vjp_error(e):
         raise _no_forward_mode(spec) from None
-    how = "closes over it" if spec.closes_over_tracer else "holds it in a closure passed in"
     if _jax_internals.is_closed_over_differentiated_error(e):
         raise _closed_over_differentiated(spec, how) from None
     tracer = _jax_internals.closed_over_tracer_type(e)
@@ -562,7 +575,7 @@ def _make_apply(cache: _Cache) -> Callable:
         try:
             out = run(*(leaves if pick is None else pick(leaves)))
         except Exception as e:
-            _reraise(spec, entry.program, e)
+            _reraise(spec, entry.program, e, run)
             raise
         return out.unpack() if type(out) is Packed else out
 
