@@ -674,6 +674,111 @@ def test_invalid_gradients():
         jax.grad(lambda x: MyFunction.apply(x).sum())(jnp.ones((5, 5)))
 
 
+def test_mark_non_differentiable():
+    # TestAutograd.test_mark_non_differentiable: a mask output carries no gradient.
+    class MyFunction(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            output = (x > 0).astype(x.dtype)
+            ctx.mark_non_differentiable(output)
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            return grad_output * 0
+
+    x = jnp.asarray(np.random.RandomState(5).randn(5, 5), jnp.float32)
+
+    def loss(x):
+        mask = MyFunction.apply(x)
+        return jnp.where(mask > 0, 0.0, x).sum()
+
+    close(jax.grad(loss)(x), np.where(np.asarray(x) > 0, 0.0, 1.0))
+
+
+def test_mark_non_differentiable_mixed():
+    # TestAutograd.test_mark_non_differentiable_mixed: the non-differentiable output's gradient is zeros.
+    class MyFunction(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            a, b = x + 1, x + 2
+            ctx.mark_non_differentiable(a)
+            return a, b
+
+        @staticmethod
+        def backward(ctx, grad_a, grad_b):
+            return grad_b + 10 * grad_a  # grad_a is zeros
+
+    close(jax.grad(lambda x: MyFunction.apply(x)[1].sum())(jnp.ones((5, 5))), np.ones((5, 5)))
+
+
+def test_return_duplicate():
+    # TestAutograd.test_return_duplicate: the same array returned twice gets both gradients.
+    class DoubleDuplicate(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            output = x * 2
+            return output, output
+
+        @staticmethod
+        def backward(ctx, grad1, grad2):
+            return grad1 * 2 + grad2 * 2
+
+    x = jnp.asarray(np.random.RandomState(6).rand(3), jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+    close(jax.grad(lambda x: sum(o.sum() for o in DoubleDuplicate.apply(x)))(x), np.full(3, 4.0))
+    assert vjpkit.gradcheck(lambda x: DoubleDuplicate.apply(x)[0], (np.random.RandomState(6).rand(3),))
+
+
+def test_save_none_for_backward():
+    # TestAutograd.test_save_none_for_backward: Nones saved come back as None.
+    seen = []
+
+    class MyFn(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(None, x, None)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            n1, x, n2 = ctx.saved_tensors
+            seen.append((n1, n2))
+            return 2 * x * grad_output
+
+    x = jnp.asarray(np.random.RandomState(7).randn(5, 5), jnp.float32)
+    close(jax.grad(lambda x: MyFn.apply(x).sum())(x), 2 * x)
+    assert seen == [(None, None)]
+
+
+def test_custom_function_save_for_forward():
+    # TestAutograd.test_custom_function_save_for_forward: PyTorch's vjp spelling of backward, jvp from
+    # save_for_forward, a static z=4, and an array attribute ctx.prod.
+    class Func(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, y, z):
+            ctx.save_for_backward(x, y)
+            ctx.save_for_forward(x, y)
+            ctx.z = z
+            ctx.prod = x * y
+            return z * ctx.prod
+
+        @staticmethod
+        def jvp(ctx, x_t, y_t, _):
+            x_p, y_p = ctx.saved_tensors
+            return ctx.z * (y_p * x_t + x_p * y_t)
+
+        @staticmethod
+        def vjp(ctx, grad_out):
+            x, y = ctx.saved_tensors
+            return ctx.z * grad_out * y, ctx.z * grad_out * x, None
+
+    a, b, c = jnp.float32(1.0), jnp.float32(2.0), 4
+    out, tangent = jax.jvp(lambda a: Func.apply(a, b, c), (a,), (jnp.float32(1.0),))
+    close((out, tangent), (8.0, 8.0))
+    close(jax.grad(Func.apply, (0, 1))(a, b, c), (8.0, 4.0))
+    assert vjpkit.gradcheck(Func.apply, (np.float64(1.0), np.float64(2.0), c), check_forward_ad=True)
+
+
 # ---------------------------------------------------------------------------
 # test/functorch/test_eager_transforms.py: TestAutogradFunction and TestAutogradFunctionVmapAPI.
 
