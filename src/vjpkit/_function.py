@@ -33,7 +33,7 @@ from ._forward import forward_mode_function
 from ._outputs import Packed
 from ._program import Program, Residuals, Spec, as_arrays
 from ._tie import tie_outputs
-from ._tree import Partition, Unkeyable, static_key
+from ._tree import Partition, Unkeyable, find_tracer, static_key
 
 
 class CacheInfo(NamedTuple):
@@ -66,6 +66,7 @@ class _Program(Program):
             n_arrays = len(layout.dynamic)
             for fn, role in ((primal, "fun"), (fwd, "fwd"), (bwd, "bwd")):
                 _jax_internals.save_debug_info(fn, f"custom_vjp {role}", n_arrays)
+            bwd._vjpkit_spec = spec  # type: ignore[attr-defined]  # names the class in forward mode (below)
             self.differentiable = jax.custom_vjp(primal)
             self.differentiable.defvjp(fwd, bwd, symbolic_zeros=True)
         else:
@@ -128,6 +129,28 @@ def _no_forward_mode(spec: Spec) -> TypeError:
         f"jax.linearize): it defines backward but no jvp. Add a "
         f"jvp(ctx, *tangents) staticmethod to {spec.name}, or use reverse "
         "mode (jax.grad, jax.vjp, jax.jacrev)."
+    )
+
+
+def _no_forward_mode_of_linearized(bwd: Any) -> TypeError | None:
+    # jax.jvp may reuse what an earlier jax.grad of the same jitted function kept: the message must not depend on
+    # which came first.
+    spec = getattr(bwd, "_vjpkit_spec", None)
+    return None if spec is None else _no_forward_mode(spec)
+
+
+_jax_internals.explain_forward_mode_of_linearized(_no_forward_mode_of_linearized)
+
+
+def _closed_over_differentiated(spec: Spec, how: str) -> TypeError:
+    # JAX raises CustomVJPException or UnexpectedTracerError, naming neither the class nor the value's way in.
+    return TypeError(
+        f"{spec.name}.forward uses a value that JAX is differentiating but that is not an argument of "
+        f"{spec.name}.apply: {spec.name} {how} (a function argument closing over parameters, "
+        f"{spec.name}.apply(lambda x: f(x, w), x) under jax.grad with respect to w, or a class defined "
+        f"inside the differentiated function using its variables). {spec.name}'s derivative covers "
+        f"apply's arguments only, so pass the value as an argument of its own ({spec.name}.apply(f, x, w), "
+        f"with f taking it) and return its gradient from {spec.name}.backward (its tangent from jvp)."
     )
 
 
@@ -411,9 +434,14 @@ class _Cache:
             if shape.keyer is None and not shape.routes:  # the leaf types fix which leaves are static
                 shape.keyer = _keyer(leaves, tuple(i for i, x in enumerate(leaves) if not is_array(x)))
             statics = () if shape.keyer is None else shape.keyer(leaves)
-            # On concrete arrays, the jit (it inlines if an outer jit traces); on tracers, _run_in_trace.
+            # On concrete arrays, the jit (it inlines if an outer jit traces); on tracers, _run_in_trace; with a
+            # static argument holding a tracer of an enclosing transformation (a function closing over it), the
+            # custom_vjp itself, as for a class whose methods close over one (a jit of its own cannot hold it).
             on_tracers = entry.jitted is None or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
-            route = (entry, pick, functools.partial(_run_in_trace, entry) if on_tracers else entry.on_arrays)
+            run: Any = functools.partial(_run_in_trace, entry) if on_tracers else entry.on_arrays
+            if any(find_tracer(value) for _, value in layout.static):
+                run = functools.partial(_run_unjitted, entry)
+            route = (entry, pick, run)
             shape.add(statics, route)
             entry.routes.append((*path, (shape, statics)))
             if len(entry.routes) > _SHAPES_PER_PROGRAM:
@@ -486,14 +514,36 @@ def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
     return entry.jitted(*arrays)
 
 
-def _reraise(spec: Spec, program: _Program, e: Exception) -> None:
+def _run_unjitted(entry: _Entry, *arrays: Any) -> Any:
+    """A call whose static arguments hold a tracer of an enclosing transformation."""
+    if entry.program.spec.jvp is None and _jax_internals.linearizing():
+        raise _no_forward_mode(entry.program.spec)
+    return entry.program.differentiable(*map(as_jax_leaf, arrays))
+
+
+def _reraise(spec: Spec, program: _Program, e: Exception, run: Any) -> None:
     """Raises vjpkit's error for a JAX error that it can explain better; returns otherwise."""
+    passed_in = getattr(run, "func", None) is _run_unjitted  # a static argument holds an outer tracer
+    how = "holds it in a closure passed in" if passed_in or not spec.closes_over_tracer else "closes over it"
     if isinstance(e, UnexpectedTracerError):
+        if spec.closes_over_tracer or passed_in:  # JAX's report for a closure over a value it differentiates
+            raise _closed_over_differentiated(spec, how) from None
         raise _leaked_tracer(spec, e) from None
     # JAX reuses a forward rule it traced for reverse mode, so vjpkit's own
     # check in _fwd can be skipped; name the class here instead.
     if _jax_internals.is_forward_mode_of_custom_vjp_error(e):
         raise _no_forward_mode(spec) from None
+    if _jax_internals.is_closed_over_differentiated_error(e):
+        raise _closed_over_differentiated(spec, how) from None
+    tracer = _jax_internals.closed_over_tracer_type(e)
+    if tracer is not None:
+        # A tracer that no argument brought in, which JAX's lowering met as a constant.
+        if tracer in ("JVPTracer", "LinearizeTracer"):
+            raise _closed_over_differentiated(spec, how) from None
+        raise TypeError(
+            f"{spec.name}'s methods use a value of an enclosing transformation ({tracer}) that is not an "
+            f"argument of {spec.name}.apply: {spec.name} {how}. Pass the value as an argument of its own."
+        ) from None
     if program.anomaly:  # a failed check, wrapped by JAX in JaxRuntimeError
         _anomaly.reraise_anomaly(e)
 
@@ -529,7 +579,7 @@ def _make_apply(cache: _Cache) -> Callable:
         try:
             out = run(*(leaves if pick is None else pick(leaves)))
         except Exception as e:
-            _reraise(spec, entry.program, e)
+            _reraise(spec, entry.program, e, run)
             raise
         return out.unpack() if type(out) is Packed else out
 
@@ -605,6 +655,9 @@ class Function(metaclass=_FunctionMeta):
     jit: bool = True
     cache_size: int = 256
     host: bool = False  # forward/backward in NumPy (see _host.py)
+    vmap_method: str = "sequential"  # how jax.vmap batches a host Function's callbacks (see _host.py)
+    # PyTorch's flag: jax.vmap batches forward as written unless a vmap staticmethod is defined.
+    generate_vmap_rule: bool = False
 
     @staticmethod
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 import sys
 import types
 from typing import Any, Callable, NamedTuple
@@ -679,3 +680,64 @@ def trace_configuration() -> tuple:
     vjpkit's own states (``detect_anomaly``) are part of it there too.
     """
     return _trace_context()
+
+
+# ---------------------------------------------------------------------------
+# Forward mode of a custom_vjp that JAX linearized earlier (_function.py).
+
+# JAX keeps a custom_vjp's linearization (its ``custom_lin`` equation, which
+# holds the bwd rule) in the jaxprs it caches for reverse mode, and reuses it
+# for ``jax.jvp`` of the same jitted function; the custom_vjp's forward rule
+# does not run again, so only the equation's own rules can say which class it
+# is. Every JAX from 0.4.38 has ``custom_lin_p`` with a ``bwd`` parameter (a
+# ``lu.WrappedFun`` whose ``f`` is the rule given to ``defvjp``).
+_custom_lin_p = getattr(_ad_internal, "custom_lin_p", None)
+
+
+def explain_forward_mode_of_linearized(explain: Callable[[Any], Exception | None]) -> None:
+    """Raises ``explain(bwd)`` when JAX evaluates, batches or lowers a kept linearization in forward mode.
+
+    ``bwd`` is the function given to ``defvjp``; where ``explain`` returns
+    None, JAX's own rule runs (and raises JAX's generic error).
+    """
+    if _custom_lin_p is None:
+        return
+    original_impl = _custom_lin_p.impl
+    original_lowering = getattr(_ad_internal, "raise_custom_vjp_error_on_jvp", original_impl)
+
+    def explained(original: Callable) -> Callable:
+        def rule(*args: Any, **params: Any) -> Any:
+            bwd = params.get("bwd")
+            error = explain(getattr(bwd, "f", bwd))
+            if error is not None:
+                raise error
+            return original(*args, **params)
+
+        return rule
+
+    _custom_lin_p.def_impl(explained(original_impl))
+    batching.primitive_batchers[_custom_lin_p] = explained(original_lowering)  # JAX's batcher: the same raise
+    mlir.register_lowering(_custom_lin_p, explained(original_lowering))
+
+
+# JAX's error for a custom_vjp whose function closes over a value being differentiated: the same words in every
+# JAX from 0.4.38 (its type, CustomVJPException, is not public).
+_JAX_CLOSED_OVER_DIFFERENTIATED = (
+    "Detected differentiation of a custom_vjp function with respect to a closed-over value"
+)
+
+
+def is_closed_over_differentiated_error(e: BaseException) -> bool:
+    """Whether ``e`` is JAX's "differentiation with respect to a closed-over value" error."""
+    return str(e).startswith(_JAX_CLOSED_OVER_DIFFERENTIATED)
+
+
+# JAX's lowering meets a tracer of an enclosing transformation as a constant (a rule closing over it):
+# "No constant handler for type: <class '...BatchTracer'>" in every JAX from 0.4.38.
+_NO_CONSTANT_HANDLER = re.compile(r"No constant handler for type: <class '[\w.]*\.(\w*Tracer)'>")
+
+
+def closed_over_tracer_type(e: BaseException) -> str | None:
+    """The tracer's type name (``JVPTracer``, ``BatchTracer``, ...) if ``e`` is that error, else None."""
+    match = _NO_CONSTANT_HANDLER.match(str(e)) if isinstance(e, TypeError) else None
+    return None if match is None else match.group(1)

@@ -18,6 +18,7 @@ import os
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
 import numpy as np
 from jax.errors import (
@@ -48,16 +49,22 @@ class Spec:
     def __init__(self, cls: Any, base: type):
         self.name = cls.__name__
         self.forward = cls.forward
-        self.backward = _defined(cls, base, "backward")
+        # PyTorch documents ``vjp`` as another name of ``backward``.
+        self.backward = _defined(cls, base, "backward") or getattr(cls, "vjp", None)
         self.jvp = _defined(cls, base, "jvp")
         self.setup_context = _defined(cls, base, "setup_context")
         self.signature = Signature(self.name, self.forward, skip_first=self.setup_context is None)
         sig = self.signature
         self.takes_inputs = any(name not in sig.defaults for name in (*sig.positional, *sig.keyword_only))
-        self.jit = bool(cls.jit)
+        # A class made inside a transformed function may close over that function's tracers, which a jit of
+        # its own cannot hold (JAX lowers them as constants): such a class runs as a plain custom_vjp does.
+        self.closure_tracers = _closure_tracers(self.forward, self.backward, self.jvp, self.setup_context)
+        self.closes_over_tracer = bool(self.closure_tracers)
+        self.jit = bool(cls.jit) and not self.closes_over_tracer
         self.cache_size = _cache_size(self.name, cls.cache_size)
         self.once_differentiable = is_once_differentiable(self.backward)
         self.host = bool(cls.host)
+        self.vmap = _vmap_rule(cls, self)
         if cls.host:
             _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
 
@@ -190,6 +197,113 @@ def _cache_size(name: str, value: Any) -> int:
             f"per class), got {value!r}."
         )
     return value
+
+
+def _closure_tracers(*methods: Any) -> frozenset:
+    """The ids of the JAX tracers that the methods' closures hold (directly, or as leaves of pytrees)."""
+    found: set[int] = set()
+    for method in methods:
+        for cell in getattr(method, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # not yet bound (the class itself, referred to by its own methods)
+                continue
+            found.update(id(leaf) for leaf in jax.tree_util.tree_leaves(value) if isinstance(leaf, jax.core.Tracer))
+    return frozenset(found)
+
+
+def _vmap_rule(cls: Any, spec: Spec) -> Callable | None:
+    """The class's ``vmap(info, in_dims, *args)`` staticmethod (PyTorch's batching rule), checked; None if absent.
+
+    A host Function runs its rule on the host (``_host.py``).
+    """
+    rule = getattr(cls, "vmap", None)
+    generated = bool(getattr(cls, "generate_vmap_rule", False))
+    if rule is None:
+        return None  # generate_vmap_rule = True or not: jax.vmap batches forward as written
+    if generated:
+        raise TypeError(
+            f"{spec.name} has both generate_vmap_rule = True and a vmap staticmethod: set "
+            "generate_vmap_rule = False to use the vmap staticmethod, or delete the vmap staticmethod "
+            "to batch forward as written (as PyTorch requires)."
+        )
+    if cls.host:
+        return None  # run on the host, by the host Function's own forward
+    if spec.setup_context is None:
+        raise TypeError(
+            f"{spec.name} defines a vmap staticmethod, which batches forward's outputs only, so forward "
+            f"must not take ctx: write {spec.name}.forward(*inputs) and fill ctx in "
+            f"{spec.name}.setup_context(ctx, inputs, output) (PyTorch's rule for a Function with a "
+            "vmap staticmethod), or delete the vmap staticmethod to batch forward as written."
+        )
+    return rule
+
+
+def _forward_batched_by_rule(spec: Spec, layout: Partition, arrays: tuple) -> Callable:
+    """``spec.forward`` of these arrays, which ``jax.vmap`` batches by the class's vmap staticmethod.
+
+    Why ``jax.custom_batching.custom_vmap`` around forward alone: setup_context,
+    backward and jvp still see the outputs as forward computes them, as in
+    PyTorch, where the rule replaces forward under vmap and nothing else.
+    """
+    out_layouts: list[Partition] = []  # forward's output structure, found when custom_vmap traces it
+    user_rule = spec.vmap
+    assert user_rule is not None  # only a class with a rule gets here
+
+    def forward(*arrays: Any) -> list:
+        out = spec.signature.call(spec.forward, (), layout.combine(arrays))
+        out_layout, leaves = partition(out, is_array)
+        out_layouts.append(out_layout)
+        return list(leaves)
+
+    batched = jax.custom_batching.custom_vmap(forward)
+
+    @batched.def_vmap
+    def rule(axis_size: int, in_batched: Sequence[bool], *arrays: Any) -> tuple[list, list]:
+        in_dims = tuple(layout.combine([0 if b else None for b in in_batched], keep_static=False))
+        info = _host.VmapInfo(axis_size)
+        with profiled(spec.name, "vmap"):
+            result = spec.signature.call(user_rule, (info, in_dims), layout.combine(arrays))
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                f"{spec.name}.vmap returned {type(result).__name__}: expected a pair (outputs, out_dims), "
+                "as torch.autograd.Function.vmap returns."
+            )
+        out, out_dims = result
+        out_layout, leaves = partition(out, is_array)
+        expected = out_layouts[-1]
+        if out_layout.treedef != expected.treedef or out_layout.dynamic != expected.dynamic:
+            raise TypeError(
+                f"{spec.name}.vmap returned outputs of structure {out_layout.treedef}, expected forward's "
+                f"structure {expected.treedef} (with arrays in the same places)."
+            )
+        dims = _output_dims(spec.name, out, out_dims, out_layout)
+        moved = [leaf if d is None else jnp.moveaxis(leaf, d, 0) for leaf, d in zip(leaves, dims, strict=True)]
+        return moved, [d is not None for d in dims]
+
+    def forward_by_rule(*values: Any, **keyword_values: Any) -> Any:
+        leaves = batched(*arrays)
+        return out_layouts[-1].combine(leaves)
+
+    return forward_by_rule
+
+
+def _output_dims(name: str, out: Any, out_dims: Any, out_layout: Partition) -> list:
+    """The batch axis (or None) of each array output, from the vmap rule's ``out_dims``."""
+    if out_dims is None or isinstance(out_dims, int):
+        return [out_dims] * len(out_layout.dynamic)
+    incompatible = TypeError(
+        f"{name}.vmap returned out_dims {out_dims!r}, incompatible with its outputs: expected an int or None, "
+        f"or one per output in the outputs' structure {jax.tree_util.tree_structure(out)}."
+    )
+    try:
+        per_leaf = jax.tree_util.tree_structure(out).flatten_up_to(out_dims)  # type: ignore[attr-defined]
+    except (ValueError, TypeError):
+        raise incompatible from None
+    dims = [per_leaf[k] for k in out_layout.dynamic]
+    if not all(d is None or isinstance(d, int) for d in dims):
+        raise incompatible
+    return dims
 
 
 def _defined(cls: type, base: type, method: str) -> Callable | None:
@@ -328,6 +442,8 @@ class Program:
                 if found is None:
                     continue
                 inner, tracer = found
+                if id(tracer) in self.spec.closure_tracers:
+                    continue  # a tracer of the enclosing transformation, which the methods close over too
                 leaf_path = _leaf_path(value, position)
                 owner = type(leaf).__name__
                 raise TypeError(
@@ -343,9 +459,10 @@ class Program:
         spec = self.spec
         values = tuple(arrays) if self.all_arrays else self.layout.combine(arrays)
         ctx = FunctionCtx(spec.name, needs, values)
+        forward = spec.forward if spec.vmap is None else _forward_batched_by_rule(spec, self.layout, arrays)
         try:
             out = run_user_method(
-                spec.name, ctx, call_forward, ctx, spec.signature, spec.forward, spec.setup_context, values
+                spec.name, ctx, call_forward, ctx, spec.signature, forward, spec.setup_context, values
             )
         except _sharding.sharding_type_errors() as e:
             raise _sharding.forward_sharding_error(spec.name, method_of(ctx), e) from None

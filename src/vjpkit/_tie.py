@@ -66,6 +66,10 @@ class OwnDerivative:
         transposed by JAX).
         """
         spec = self.spec
+        if spec.closes_over_tracer and spec.jvp is not None:
+            # The methods close over a tracer of an enclosing transformation, which a primitive's rule cannot
+            # hold: jvp runs inline, where that tracer lives, and reverse mode transposes it (a custom_jvp's way).
+            return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
 
         shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
         gradient_shardings = [shardings[d] for d in self.linear]
@@ -91,7 +95,8 @@ class OwnDerivative:
         program, meta = self.program, self.meta
         assert self.spec.jvp is not None  # chosen by tangents() only for a class with jvp
         tangent_leaves: list = [None] * len(self.in_avals)
-        for d, t in zip(self.linear, linear, strict=True):
+        # Evaluated eagerly (jax.linearize of a jaxpr), a tangent may be JAX's weakly typed Python scalar.
+        for d, t in zip(self.linear, as_arrays(linear), strict=True):
             tangent_leaves[d] = t
         for d, t in enumerate(tangent_leaves):
             if t is None and meta.materialize and is_differentiable_dtype(self.in_avals[d][1]):
@@ -310,6 +315,8 @@ class _Tie:
 
         ``tangents`` has one per operand, ``ad.Zero`` where JAX knows it is zero.
         """
+        # Evaluated eagerly (jax.remat outside jit), a Python scalar operand arrives as JAX's weakly typed float.
+        primals = as_arrays(primals)
         inputs = [primals[at] for at in self.inputs_at]
         moving = [
             d for d, at in enumerate(self.inputs_at)
