@@ -9,6 +9,7 @@ from . import cpp_extension, testing
 from ._anomaly import detect_anomaly
 from ._caches import clear_caches
 from ._ctx import FunctionCtx
+from ._from_torch import from_torch
 from ._function import CacheInfo, Function, function
 from ._gradcheck import GradcheckError, JacobianMismatch, gradcheck, gradgradcheck
 from ._host import VmapInfo
@@ -24,6 +25,7 @@ __all__ = [
     "clear_caches",
     "cpp_extension",
     "detect_anomaly",
+    "from_torch",
     "function",
     "gradcheck",
     "gradgradcheck",

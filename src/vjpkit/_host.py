@@ -298,7 +298,7 @@ def _pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: s
 
 
 def _np_to_words(a: Any) -> np.ndarray:
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")  # ascontiguousarray would make a 0-d array 1-d
     return a.reshape((*a.shape, 1)).view(np.uint32)
 
 
