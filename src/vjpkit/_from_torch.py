@@ -149,6 +149,7 @@ def _from_callable(torch: Any, fn: Callable, copy_inputs: bool) -> Callable:
         return apply(*args, **kwargs)
 
     call.__signature__ = inspect.Signature(origin.params)  # type: ignore[attr-defined]
+    call._vjpkit_from_torch = True  # type: ignore[attr-defined]
     return call
 
 
@@ -230,7 +231,8 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, has_jvp: bool, o
         out = program.out_layout.combine(program.jvp(ctx.saved_tensors, dynamic), keep_static=False)
         return out
 
-    namespace: dict[str, Any] = {"__doc__": doc, "__module__": __name__, "forward": staticmethod(forward)}
+    namespace: dict[str, Any] = {"__doc__": doc, "__module__": __name__, "forward": staticmethod(forward),
+                                 "_vjpkit_from_torch": True}
     forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_ONLY), *origin.params]
     )
@@ -511,8 +513,8 @@ def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[li
     """forward's output structure, shapes and dtypes: run on meta tensors, else on sample values.
 
     Meta tensors cost nothing but fail on data-dependent code (``.item()``,
-    ``if torch.any(...)``, NumPy); then forward runs once on seeded sample
-    values (standard normal floats, zero integers).
+    ``if torch.any(...)``, NumPy); then forward runs on seeded sample values
+    (floats uniform in [0.5, 1.5], else in [-1.5, 1.5]; zero integers).
     """
     torch = program.origin.torch
     meta = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device="meta") for shape, dtype in program.in_kinds]
@@ -520,20 +522,28 @@ def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[li
         with torch.no_grad():
             run(meta, False)
     except Exception:
-        out_info.clear()
-        rng = np.random.default_rng(0)
-        samples = [torch.from_dlpack(_sample(rng, shape, dtype)) for shape, dtype in program.in_kinds]
-        with torch.no_grad():
-            program._guarded(run, samples, False)
+        # Positive values first (steps, scales, norms), then both signs; torch's error from the last.
+        for low in (0.5, -1.5):
+            out_info.clear()
+            rng = np.random.default_rng(0)
+            samples = [torch.from_dlpack(_sample(rng, shape, dtype, low)) for shape, dtype in program.in_kinds]
+            try:
+                with torch.no_grad():
+                    program._guarded(run, samples, False)
+                break
+            except Exception:
+                if low != -1.5:
+                    continue
+                raise
     leaves = out_info["leaves"]
     treedef = out_info["treedef"]
     out_info.pop("leaves")
     return leaves, treedef
 
 
-def _sample(rng: np.random.Generator, shape: tuple, dtype: np.dtype) -> np.ndarray:
+def _sample(rng: np.random.Generator, shape: tuple, dtype: np.dtype, low: float) -> np.ndarray:
     if dtype.kind in "fc":
-        return rng.standard_normal(shape).astype(dtype)
+        return rng.uniform(low, 1.5, shape).astype(dtype)
     return np.zeros(shape, dtype)
 
 

@@ -27,9 +27,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ._gradcheck import GradcheckError, gradcheck, gradgradcheck
+from ._port_check import assert_port_matches_original, port_differences
 from ._torch_parity import assert_matches_torch
 
-__all__ = ["assert_gradcheck", "assert_gradgradcheck", "assert_matches_torch", "random_inputs"]
+__all__ = ["assert_gradcheck", "assert_gradgradcheck", "assert_matches_torch", "assert_port_matches_original",
+           "port_differences", "random_inputs"]
 
 
 def assert_gradcheck(fn: Callable[..., Any], inputs: Any, **options: Any) -> None:
