@@ -211,6 +211,9 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, has_jvp: bool, o
         ctx.save_for_forward(*arrays)
         ctx.program = program
         ctx.wanted = wanted
+        # An unused output's gradient arrives as None, so that torch sees it absent
+        # (and applies the original's own set_materialize_grads).
+        ctx.set_materialize_grads(False)
         return program.out_layout.combine(program.call(arrays, wanted, batched=origin.batching_rule))
 
     def backward(ctx: FunctionCtx, *grads: Any) -> Any:
@@ -218,8 +221,8 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, has_jvp: bool, o
         grad_leaves = program.out_layout.treedef.flatten_up_to(
             grads[0] if program.single_output else grads
         )
-        cotangents = program.cotangents([grad_leaves[i] for i in program.out_layout.dynamic])
-        gradients = program.vjp(ctx.wanted).apply(*ctx.saved_tensors, *cotangents)
+        given, cotangents = program.cotangents([grad_leaves[i] for i in program.out_layout.dynamic])
+        gradients = program.vjp(ctx.wanted, given).apply(*ctx.saved_tensors, *cotangents)
         per_leaf = iter(gradients)
         leaves = [next(per_leaf) if w else None for w in ctx.wanted]
         return tuple(program.layout.combine(leaves, keep_static=False))
@@ -322,24 +325,25 @@ class _Program:
                              vmap_method="expand_dims" if batched else "sequential")
         return list(_sharding.vary_like(out, list(arrays)))
 
-    def vjp(self, wanted: tuple) -> Any:
+    def vjp(self, wanted: tuple, given: tuple) -> Any:
         """The vjpkit Function computing this program's input gradients (for ``wanted`` inputs)."""
-        cls = self._vjps.get(wanted)
+        cls = self._vjps.get((wanted, given))
         if cls is None:
-            cls = self._vjps[wanted] = _flat_class(_Program.vjp_of(self, wanted), self.origin.has_jvp)
+            cls = self._vjps[wanted, given] = _flat_class(_Program.vjp_of(self, wanted, given), self.origin.has_jvp)
         return cls
 
-    def cotangents(self, grad_leaves: Sequence[Any]) -> list:
-        """The cotangents of the differentiable outputs, zeros where JAX passed none."""
-        return [
-            jnp.zeros(shape, dtype) if g is None else g
-            for g, (shape, dtype), d in zip(grad_leaves, self.out_kinds, self.differentiable_out, strict=True)
-            if d
-        ]
+    def cotangents(self, grad_leaves: Sequence[Any]) -> tuple[tuple, list]:
+        """Which differentiable outputs JAX passed a cotangent for, and those cotangents."""
+        given = tuple(g is not None for g, d in zip(grad_leaves, self.differentiable_out, strict=True) if d)
+        return given, [g for g, d in zip(grad_leaves, self.differentiable_out, strict=True) if d and g is not None]
 
     @classmethod
-    def vjp_of(cls, inner: _Program, wanted: tuple) -> _Program:
-        """Level k+1: (inputs, output cotangents) to the wanted inputs' gradients, by torch autograd."""
+    def vjp_of(cls, inner: _Program, wanted: tuple, given: tuple) -> _Program:
+        """Level k+1: (inputs, given output cotangents) to the wanted inputs' gradients, by torch autograd.
+
+        An output without a cotangent is left out of ``torch.autograd.grad``,
+        so the original's backward receives None or zeros for it, as in PyTorch.
+        """
         origin = inner.origin
         torch = origin.torch
         n = len(inner.in_kinds)
@@ -352,11 +356,9 @@ class _Program:
                     xs[k] = xs[k].requires_grad_(True) if xs[k].is_leaf else xs[k].detach().requires_grad_(True)
             with torch.enable_grad():
                 outs = inner.run(xs, True)
-            pairs = [
-                (o, c) for o, c in zip([o for o, d in zip(outs, inner.differentiable_out, strict=True) if d],
-                                       cts, strict=True)
-                if o is not None and o.requires_grad
-            ]
+            differentiable = [o for o, d in zip(outs, inner.differentiable_out, strict=True) if d]
+            with_cotangent = [o for o, g in zip(differentiable, given, strict=True) if g]
+            pairs = [(o, c) for o, c in zip(with_cotangent, cts, strict=True) if o is not None and o.requires_grad]
             targets = [x for x, w in zip(xs, wanted, strict=True) if w]
             if pairs:
                 grads = torch.autograd.grad([o for o, _ in pairs], targets, [c for _, c in pairs],
@@ -366,7 +368,7 @@ class _Program:
             return list(grads)
 
         diff_out = [k for k, d in zip(inner.out_kinds, inner.differentiable_out, strict=True) if d]
-        in_kinds = (*inner.in_kinds, *diff_out)
+        in_kinds = (*inner.in_kinds, *(k for k, g in zip(diff_out, given, strict=True) if g))
         out_kinds = tuple(k for k, w in zip(inner.in_kinds, wanted, strict=True) if w)
         method = origin.backward_name if inner.method == origin.forward_name else f"{inner.method} (differentiated)"
         return cls(origin, method, run, in_kinds, out_kinds)
@@ -425,8 +427,9 @@ class _Program:
         with torch.no_grad():
             outs = self._guarded(lambda ts, _: list(torch.func.vmap(unbatched, in_dims=tuple(dims))(*ts)),
                                  tensors, False)
-        return [np.asarray(a).reshape(batch + shape) for a, (shape, _) in
-                zip(self._to_numpy(outs), self.out_kinds, strict=True)]
+        batched = [((size, *shape), dtype) for shape, dtype in self.out_kinds]
+        return [a.reshape(batch + shape) for a, (shape, _) in
+                zip(self._to_numpy(outs, batched), self.out_kinds, strict=True)]
 
     def _batch(self, xs: Sequence[Any]) -> tuple:
         """The leading batch axes that jax.vmap (``expand_dims``) put in front, ``()`` if none."""
@@ -569,7 +572,8 @@ def _flat_class(program: _Program, has_jvp: bool) -> Any:
         return tuple(program.call(arrays, wanted))
 
     def backward(ctx: FunctionCtx, *grads: Any) -> Any:
-        gradients = iter(program.vjp(ctx.wanted).apply(*ctx.saved_tensors, *program.cotangents(grads)))
+        given, cotangents = program.cotangents(grads)
+        gradients = iter(program.vjp(ctx.wanted, given).apply(*ctx.saved_tensors, *cotangents))
         return tuple(next(gradients) if w else None for w in ctx.wanted)
 
     def jvp(ctx: FunctionCtx, *tangents: Any) -> Any:
