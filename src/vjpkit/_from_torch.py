@@ -37,17 +37,17 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import _sharding
 from ._ctx import FunctionCtx, is_array
 from ._function import Function
 from ._host import _pure_callback
-from ._once import once_differentiable
+from ._once import call_without_derivative, once_differentiable
 from ._outputs import is_differentiable_dtype
 from ._tree import Partition, partition
 
@@ -179,6 +179,7 @@ class _Origin:
         self.copy_inputs = copy_inputs
         self.batching_rule = batching_rule
         self.has_jvp = False  # whether torch's forward AD runs the original
+        self.once = False  # whether the original's backward is once_differentiable
 
 
 # ---------------------------------------------------------------------------
@@ -189,6 +190,7 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, has_jvp: bool, o
                       doc: str | None) -> Any:
     programs: dict[Any, _Program] = {}
     origin.has_jvp = has_jvp
+    origin.once = once
 
     def program_for(values: tuple) -> tuple[_Program, list]:
         layout, arrays = partition(values, is_array, by_value=True)
@@ -321,9 +323,18 @@ class _Program:
         if not out_struct:
             return []
         host = functools.partial(self._host_forward, wanted)
-        out = _pure_callback(host, out_struct, *arrays,
-                             vmap_method="expand_dims" if batched else "sequential")
-        return list(_sharding.vary_like(out, list(arrays)))
+
+        def forward_of_arrays(*xs: Any) -> Any:
+            out = _pure_callback(host, out_struct, *xs, vmap_method="expand_dims" if batched else "sequential")
+            return _sharding.vary_like(out, list(xs))  # under shard_map: per-device values
+
+        if not (self.origin.once and self.method == self.origin.forward_name):
+            return list(forward_of_arrays(*arrays))
+        # vjpkit differentiates a once_differentiable Function's forward itself for a
+        # second derivative: that must raise the decorator's error, not JAX's callback one.
+        message = (f"{self.origin.backward_name} is decorated with @once_differentiable, so it cannot be "
+                   "differentiated (a second derivative such as jax.hessian or grad of grad was asked for).")
+        return list(call_without_derivative(forward_of_arrays, list(arrays), message))
 
     def vjp(self, wanted: tuple, given: tuple) -> Any:
         """The vjpkit Function computing this program's input gradients (for ``wanted`` inputs)."""
@@ -443,7 +454,9 @@ class _Program:
         fwad = torch.autograd.forward_ad
         n = len(self.in_kinds)
         primals, given = self._tensors(xs[:n]), iter(self._tensors(xs[n:]))
-        with fwad.dual_level():
+        with warnings.catch_warnings(), fwad.dual_level():
+            # torch's first forward-AD call loads decompositions with its own deprecated torch.jit.script.
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
             duals = [fwad.make_dual(p, next(given)) if has else p for p, has in zip(primals, present, strict=True)]
             with torch.enable_grad():
                 outs = self._guarded(self.run, duals, False)
