@@ -867,3 +867,27 @@ def test_host_backward_ctx_holds_only_the_users_attributes():
 
     assert_close(jax.grad(lambda x: Scale(x).sum())(X), jnp.full(3, 2.0))
     assert seen == [["factor"]]
+
+
+def test_scalar_float64_output_under_x64_keeps_its_shape():
+    # 64-bit results cross the callback as uint32 words; a 0-d result must stay 0-d.
+    @vjpkit.function(host=True)
+    class SumOfSquares:
+        @staticmethod
+        def output_shapes(x):
+            return jax.ShapeDtypeStruct((), x.dtype)
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return np.sum(x ** 2)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * g * x
+
+    with enable_x64(True):
+        x = jnp.asarray([1.0, 2.0, 3.0], jnp.float64)
+        assert float(SumOfSquares.apply(x)) == 14.0
+        np.testing.assert_allclose(jax.jit(jax.grad(SumOfSquares.apply))(x), [2.0, 4.0, 6.0])
