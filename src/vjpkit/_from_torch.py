@@ -291,14 +291,14 @@ class _Program:
             args, kwargs = rebuild(tensors)
             out = origin.call(*args, **kwargs)
             leaves, treedef = jax.tree_util.tree_flatten(out)
-            if "treedef" in out_info and treedef != out_info["treedef"]:
+            if "treedef" not in out_info:  # the first run, for the output description
+                out_info.update(treedef=treedef, leaves=leaves)
+            elif treedef != out_info["treedef"]:
                 raise TypeError(
                     f"{origin.forward_name} returned outputs of structure {treedef}, but it returned "
                     f"{out_info['treedef']} when vjpkit first ran it on these shapes. from_torch needs "
                     "forward's output structure and shapes to depend only on its inputs' shapes."
                 )
-            out_info.setdefault("treedef", treedef)
-            out_info.setdefault("leaves", leaves)
             return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
         program = cls(origin, origin.forward_name, run, in_kinds, ())
