@@ -122,11 +122,10 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool) -> Any:
         copy_inputs=copy_inputs,
         # torch.func.vmap runs the class's own batching rule; it needs setup_context.
         batching_rule=new_style and (_defines(cls, base, "vmap") or bool(getattr(cls, "generate_vmap_rule", False))),
+        has_jvp=_defines(cls, base, "jvp"),
+        once=backward is not None and _is_torch_once_differentiable(backward),
     )
-    has_jvp = _defines(cls, base, "jvp")
-    once = backward is not None and _is_torch_once_differentiable(backward)
-    return _level_zero_class(origin, differentiable=backward is not None, has_jvp=has_jvp, once=once,
-                             doc=cls.__doc__)
+    return _level_zero_class(origin, differentiable=backward is not None, doc=cls.__doc__)
 
 
 def _from_callable(torch: Any, fn: Callable, copy_inputs: bool) -> Callable:
@@ -140,8 +139,10 @@ def _from_callable(torch: Any, fn: Callable, copy_inputs: bool) -> Callable:
         params=list(inspect.signature(fn).parameters.values()),
         copy_inputs=copy_inputs,
         batching_rule=False,
+        has_jvp=True,  # torch's own forward derivatives of its operations
+        once=False,
     )
-    cls: Any = _level_zero_class(origin, differentiable=True, has_jvp=True, once=False, doc=fn.__doc__)
+    cls: Any = _level_zero_class(origin, differentiable=True, doc=fn.__doc__)
     apply = cls.apply
 
     @functools.wraps(fn)
@@ -168,7 +169,7 @@ class _Origin:
     """The original: how to call it, and how to name it in errors."""
 
     def __init__(self, *, torch: Any, name: str, call: Callable, forward_name: str, backward_name: str,
-                 params: list, copy_inputs: bool, batching_rule: bool):
+                 params: list, copy_inputs: bool, batching_rule: bool, has_jvp: bool, once: bool):
         self.torch = torch
         self.name = name
         self.call = call
@@ -178,19 +179,16 @@ class _Origin:
         self.keyword_only = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
         self.copy_inputs = copy_inputs
         self.batching_rule = batching_rule
-        self.has_jvp = False  # whether torch's forward AD runs the original
-        self.once = False  # whether the original's backward is once_differentiable
+        self.has_jvp = has_jvp  # whether torch's forward AD can run the original
+        self.once = once  # whether the original's backward is once_differentiable
 
 
 # ---------------------------------------------------------------------------
 # Level 0: a vjpkit Function whose forward calls the original.
 
 
-def _level_zero_class(origin: _Origin, *, differentiable: bool, has_jvp: bool, once: bool,
-                      doc: str | None) -> Any:
-    programs: dict[Any, _Program] = {}
-    origin.has_jvp = has_jvp
-    origin.once = once
+def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None) -> Any:
+    programs: dict[Any, _Program] = {}  # per static signature, as vjpkit's own cache
 
     def program_for(values: tuple) -> tuple[_Program, list]:
         layout, arrays = partition(values, is_array, by_value=True)
@@ -233,8 +231,7 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, has_jvp: bool, o
         program: _Program = ctx.program
         leaves = program.layout.treedef.flatten_up_to(tangents)
         dynamic = [leaves[i] for i in program.layout.dynamic]
-        out = program.out_layout.combine(program.jvp(ctx.saved_tensors, dynamic), keep_static=False)
-        return out
+        return program.out_layout.combine(program.jvp(ctx.saved_tensors, dynamic), keep_static=False)
 
     namespace: dict[str, Any] = {"__doc__": doc, "__module__": __name__, "forward": staticmethod(forward),
                                  "_vjpkit_from_torch": True}
@@ -243,8 +240,8 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, has_jvp: bool, o
     )
     forward.__name__ = forward.__qualname__ = f"{origin.name}.forward"
     if differentiable:
-        namespace["backward"] = staticmethod(once_differentiable(backward) if once else backward)
-    if has_jvp:
+        namespace["backward"] = staticmethod(once_differentiable(backward) if origin.once else backward)
+    if origin.has_jvp:
         namespace["jvp"] = staticmethod(jvp)
     return type(origin.name, (Function,), namespace)
 
