@@ -335,6 +335,41 @@ def test_vmap_staticmethod_batches_in_one_torch_call():
     assert TExpWithVmapRule.batch_sizes == [4]
 
 
+def test_generate_vmap_rule_batches_in_one_torch_call():
+    calls = []
+
+    class TSquare(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            calls.append(tuple(x.shape))
+            return x * x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    Square = vjpkit.from_torch(TSquare)
+    Square.apply(jnp.asarray(X, jnp.float32))  # learns the output shape for this input shape
+    xs = np.stack([X, 2 * X, 3 * X, 4 * X])
+    calls.clear()
+    np.testing.assert_allclose(jax.vmap(Square.apply)(jnp.asarray(xs, jnp.float32)), xs ** 2, rtol=1e-6)
+    assert calls == [(3,)]  # one call for the 4 examples: torch.func.vmap shows forward one example's shape
+
+
+def test_class_with_jvp_gives_hessian_by_forward_over_reverse():
+    Sin = vjpkit.from_torch(TSin)
+    with enable_x64(True):
+        got = jax.hessian(lambda x: Sin.apply(x).sum())(jnp.asarray(X))
+    np.testing.assert_allclose(got, np.diag(-np.sin(X)), rtol=1e-12, atol=1e-15)
+
+
 # ---------------------------------------------------------------------------
 # A torch callable: gradients from torch autograd.
 
