@@ -4,6 +4,8 @@ Expected values are PyTorch's own numbers (the original run eagerly in
 torch) or ``jax.grad`` of the same maths written in JAX.
 """
 
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -213,6 +215,16 @@ def test_second_order_by_torchs_double_backward():
     with enable_x64(True):
         got = jax.grad(jax.grad(lambda x: Exp.apply(x)))(jnp.asarray(1.5))
     np.testing.assert_allclose(got, np.exp(1.5), rtol=1e-12)
+
+
+def test_second_order_in_float32_where_the_output_feeds_the_cotangent():
+    def loss(x):
+        return jnp.sin(Exp.apply(x)).sum()
+
+    x = jnp.asarray(X, jnp.float32)
+    got = jax.grad(lambda x: jax.grad(loss)(x).sum())(x)
+    y = np.exp(X)
+    np.testing.assert_allclose(got, -np.sin(y) * y * y + np.cos(y) * y, rtol=1e-5)
 
 
 def test_vmap_without_a_rule_loops_and_matches_per_example_gradients():
@@ -491,3 +503,10 @@ def test_port_matches_original_names_what_differs_for_a_wrong_port():
     with pytest.raises(AssertionError, match=r"WrongExp does not match its original TExp within atol=1e-06 "
                                              r"\(gradient\)"):
         vjpkit.testing.assert_port_matches_original(WrongExp, TExp, X)
+
+
+def test_guide_code_blocks_run_in_order():
+    guide = pathlib.Path(__file__).resolve().parent.parent / "docs" / "from_torch.md"
+    namespace: dict = {}
+    for k, block in enumerate(re.findall(r"```python\n(.*?)```", guide.read_text(), re.DOTALL)):
+        exec(compile(block, f"docs/from_torch.md (block {k})", "exec"), namespace)

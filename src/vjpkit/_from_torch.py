@@ -326,7 +326,9 @@ class _Program:
             return _sharding.vary_like(out, list(xs))  # under shard_map: per-device values
 
         if not (self.origin.once and self.method == self.origin.forward_name):
-            return list(forward_of_arrays(*arrays))
+            # A higher derivative differentiates the outputs through vjpkit's tie (by
+            # backward), never through this callback, which JAX cannot differentiate.
+            return list(forward_of_arrays(*(jax.lax.stop_gradient(a) for a in arrays)))
         # vjpkit differentiates a once_differentiable Function's forward itself for a
         # second derivative: that must raise the decorator's error, not JAX's callback one.
         message = (f"{self.origin.backward_name} is decorated with @once_differentiable, so it cannot be "
