@@ -4,6 +4,7 @@ Expected values are PyTorch's own numbers (the original run eagerly in
 torch) or ``jax.grad`` of the same maths written in JAX.
 """
 
+import os
 import pathlib
 import re
 import subprocess
@@ -458,6 +459,37 @@ def test_from_torch_of_something_else_raises():
     with pytest.raises(TypeError, match=r"vjpkit\.from_torch expects a torch\.autograd\.Function subclass or a "
                                         r"callable of tensors, got int"):
         vjpkit.from_torch(3)
+
+
+SHARDED_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, torch, vjpkit
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+try:
+    from jax import shard_map
+except ImportError:  # JAX before 0.6
+    from jax.experimental.shard_map import shard_map
+
+class TExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp(); ctx.save_for_backward(y); return y
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors; return g * y
+
+Exp = vjpkit.from_torch(TExp)
+mesh = Mesh(np.array(jax.devices()[:2]), ("b",))
+x = jax.device_put(jnp.arange(8.0).reshape(4, 2) / 8, NamedSharding(mesh, P("b")))
+grad = jax.grad(lambda x: Exp.apply(x).sum())
+np.testing.assert_allclose(jax.jit(grad)(x), np.exp(np.asarray(x)), rtol=1e-6)
+per_shard = shard_map(grad, mesh=mesh, in_specs=P("b"), out_specs=P("b"))
+np.testing.assert_allclose(jax.jit(per_shard)(x), np.exp(np.asarray(x)), rtol=1e-6)
+"""
+
+
+def test_sharded_jit_and_shard_map_over_two_devices():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], check=True, env=env, capture_output=True)
 
 
 def test_importing_vjpkit_does_not_import_torch():
