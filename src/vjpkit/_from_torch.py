@@ -501,7 +501,12 @@ def _reraisable(e: Exception) -> bool:
 def _numpy_of(torch: Any, t: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
     if t is None:
         return np.zeros(shape, dtype)
-    t = t.detach().resolve_conj().resolve_neg().cpu()
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():  # lazy conjugation: DLPack needs the values written out
+        t = t.resolve_conj().resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
     if t.dtype == torch.bfloat16:  # NumPy's DLPack has no bfloat16: cross as its bits
         a = np.from_dlpack(t.contiguous().view(torch.int16)).view(_numpy_dtype(t.dtype))
     else:
