@@ -408,6 +408,23 @@ def test_callable_hessian_by_torch_forward_over_reverse():
     np.testing.assert_allclose(got, np.diag(sig * (1 - sig)), rtol=1e-12, atol=1e-15)
 
 
+def test_gradcheck_judges_an_unported_original():
+    class TWrongSquare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x ** 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * x  # should be 2 * g * x
+
+    assert vjpkit.gradcheck(Exp.apply, (X,))
+    assert vjpkit.gradgradcheck(Exp.apply, (X,))
+    assert not vjpkit.gradcheck(vjpkit.from_torch(TWrongSquare).apply, (X,), raise_exception=False)
+
+
 # ---------------------------------------------------------------------------
 # Errors and in-place updates.
 
