@@ -12,6 +12,7 @@ from ._anomaly import detect_anomaly
 from ._caches import clear_caches
 from ._checking import GradcheckError, JacobianMismatch, gradcheck, gradgradcheck
 from ._ctx import FunctionCtx
+from ._from_torch import from_torch
 from ._function import CacheInfo, Function, function
 from ._host import VmapInfo
 from ._once import once_differentiable
@@ -31,6 +32,7 @@ __all__ = [
     "clear_caches",
     "cpp_extension",
     "detect_anomaly",
+    "from_torch",
     "function",
     "gradcheck",
     "gradgradcheck",

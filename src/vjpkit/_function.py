@@ -742,6 +742,13 @@ def function(cls: type | None = None, /, **options: Any) -> Any:
         )
 
     def wrap(cls: type) -> type:
+        if _is_torch_function(cls):
+            raise TypeError(
+                f"vjpkit.function({cls.__name__}): {cls.__name__} is a torch.autograd.Function. "
+                f"To run it unchanged (on the host, through PyTorch) use vjpkit.from_torch({cls.__name__}); "
+                "to port it, subclass vjpkit.Function instead and write forward and backward in "
+                "jax.numpy (see the porting guide, docs/porting.md)."
+            )
         namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
         namespace.update(options)
         bases = tuple(b for b in cls.__bases__ if b is not object)
@@ -750,3 +757,11 @@ def function(cls: type | None = None, /, **options: Any) -> Any:
         return _metaclass_for(type(cls))(cls.__name__, bases, namespace)
 
     return wrap if cls is None else wrap(cls)
+
+
+def _is_torch_function(cls: type) -> bool:
+    """Whether ``cls`` subclasses ``torch.autograd.Function``, without importing torch."""
+    return any(
+        base.__name__ == "Function" and base.__module__ == "torch.autograd.function"
+        for base in getattr(cls, "__mro__", ())
+    )

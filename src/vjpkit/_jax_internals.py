@@ -612,7 +612,7 @@ LINEARIZE_IS_TOLD_FROM_VJP = LINEARIZE_KEEPS_ORDERED_EFFECTS
 
 # ---------------------------------------------------------------------------
 # Call primitives that jax.extend.core.primitives lacks in some supported JAX
-# (_numpy_eval.py evaluates them through their sub-jaxprs).
+# (the call primitives JAX stages as sub-jaxprs).
 
 _pjit = _require_module("jax._src.pjit")
 # JAX 0.7 and later: ``jit_p`` (named "jit"); JAX 0.4.38 to 0.6: ``pjit_p`` (named "pjit").

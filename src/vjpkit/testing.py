@@ -22,7 +22,15 @@ pytest: they work in any test runner, or none.
 """
 
 from ._checking.assertions import assert_gradcheck, assert_gradgradcheck
+from ._checking.port_check import assert_port_matches_original, port_differences
 from ._checking.random_inputs import random_inputs
 from ._checking.torch_parity import assert_matches_torch
 
-__all__ = ["assert_gradcheck", "assert_gradgradcheck", "assert_matches_torch", "random_inputs"]
+__all__ = [
+    "assert_gradcheck",
+    "assert_gradgradcheck",
+    "assert_matches_torch",
+    "assert_port_matches_original",
+    "port_differences",
+    "random_inputs",
+]

@@ -49,3 +49,12 @@ def test_reverse_layer_matches_pytorch_to_second_order():
 def test_reverse_layer_under_jit_grad_and_vmap():
     assert_jit_grad_matches_torch(TorchReverseLayerF, ReverseLayerF, (X, 0.7))
     assert_vmap_matches_loop(ReverseLayerF, (X, 0.7), (0, None))
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    dict(original=TorchReverseLayerF, port=ReverseLayerF, args=(X, 0.7), second_order=True, in_axes=(0, None)),
+]

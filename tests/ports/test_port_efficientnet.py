@@ -70,3 +70,12 @@ def test_swish_keeps_one_residual_the_input():
     with contextlib.redirect_stdout(report):
         jax.ad_checkpoint.print_saved_residuals(SwishImplementation.apply, jnp.ones(3))
     assert report.getvalue().splitlines() == ["f32[3] from the argument args[0]"]
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    dict(original=TorchSwishImplementation, port=SwishImplementation, args=(X,), second_order=True, in_axes=(0,)),
+]

@@ -428,3 +428,19 @@ def test_bisect_under_jit_grad_and_vmap():
     assert_jit_grad_matches_torch(TorchEntmaxBisectFunction, EntmaxBisectFunction, (X, ALPHA, -1),
                                   argnums=(0, 1), atol=1e-7, rtol=1e-6)
     assert_vmap_matches_loop(EntmaxBisectFunction, (X, ALPHA, -1), (0, 0, None), argnums=(0, 1))
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    dict(original=TorchSparsemaxFunction, port=SparsemaxFunction, args=(MID, -1), second_order=True,
+         in_axes=(0, None)),
+    dict(original=TorchSparsemaxFunction, port=SparsemaxFunction, args=(X, -1, 2)),  # top-k with unsolved rows
+    dict(original=TorchEntmax15Function, port=Entmax15Function, args=(DENSE, 0), second_order=True),
+    dict(original=TorchEntmax15Function, port=Entmax15Function, args=(X, -1), in_axes=(0, None)),
+    dict(original=TorchEntmaxBisectFunction, port=EntmaxBisectFunction, args=(X, ALPHA, -1), in_axes=(0, 0, None)),
+    dict(original=TorchEntmaxBisectFunction, port=EntmaxBisectFunction, args=(DENSE, 1.5, -1), second_order=True),
+    dict(original=TorchSparsemaxBisectFunction, port=SparsemaxBisectFunction, args=(MID,), second_order=True),
+]

@@ -59,3 +59,12 @@ def test_grad_multiply_under_jit_grad_and_vmap():
     assert_jit_grad_matches_torch(TorchGradMultiply, GradMultiply, (X, 0.25))
     assert_vmap_matches_loop(GradMultiply, (X, 0.25), (0, None))
     assert GradMultiply.apply(jnp.ones(2), 3.0).tolist() == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    dict(original=TorchGradMultiply, port=GradMultiply, args=(X, 0.25), second_order=True, in_axes=(0, None)),
+]

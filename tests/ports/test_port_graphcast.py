@@ -81,3 +81,15 @@ def test_weighted_mse_under_jit_grad_and_vmap():
     assert_jit_grad_matches_torch(TorchWeightedMSE, WeightedMSE, ARGS, argnums=(0, 1))
     batch = (np.stack([PRED, PRED * 2]), np.stack([TARGET, -TARGET]), LATITUDES, VARIABLE_WEIGHTS)
     assert_vmap_matches_loop(WeightedMSE, batch, (0, 0, None, None), argnums=(0, 1))
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    # Second order differs: PyTorch's double backward is the wrong one (see above).
+    dict(original=TorchWeightedMSE, port=WeightedMSE, args=ARGS, argnums=(0, 1),
+         vmap_args=(np.stack([PRED, PRED * 2]), np.stack([TARGET, -TARGET]), LATITUDES, VARIABLE_WEIGHTS),
+         in_axes=(0, 0, None, None)),
+]

@@ -134,3 +134,13 @@ def test_sigmoid_focal_loss_gradcheck():
 def test_sigmoid_focal_loss_under_jit_grad_and_vmap():
     assert_jit_grad_matches_torch(TorchSigmoidFocalLoss, SigmoidFocalLoss, (LOGITS, TARGETS, *OPTIONS))
     assert_vmap_matches_loop(SigmoidFocalLoss, (LOGITS, TARGETS, *OPTIONS), (0, 0, None, None, None))
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [  # not under vmap: the original indexes its batch axis, which a per-example call has not got
+    dict(original=TorchNewEmptyTensorOp, port=NewEmptyTensorOp, args=(np.zeros((0, 4)), (0, 7)), second_order=True),
+    dict(original=TorchSigmoidFocalLoss, port=SigmoidFocalLoss, args=(LOGITS, TARGETS, *OPTIONS), second_order=True),
+]

@@ -131,3 +131,14 @@ def test_layer_norm_batch_shape_read_breaks_under_vmap():
 
     with pytest.raises(ValueError, match="not enough values to unpack"):
         jax.vmap(ReadsFourAxes.apply)(jnp.ones((2, 3, 2, 2)))
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    # Second order differs: PyTorch's double backward is the wrong one (see above). Not under vmap:
+    # the original indexes its batch axis, which a per-example call has not got.
+    dict(original=TorchLayerNormFunction, port=LayerNormFunction, args=(X, WEIGHT, BIAS, 1e-6)),
+]

@@ -82,3 +82,13 @@ def test_k_winners_gradcheck():
 def test_k_winners_under_jit_grad_and_vmap():
     assert_jit_grad_matches_torch(TorchKWinners, KWinners, (X, DUTY_CYCLES, 3, 1.5))
     assert_vmap_matches_loop(KWinners, (X[:, None, :], DUTY_CYCLES, 3, 1.5), (0, None, None, None))
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    dict(original=TorchKWinners, port=KWinners, args=(X, DUTY_CYCLES, 3, 1.5), argnums=(0,), second_order=True,
+         vmap_args=(X[:, None, :], DUTY_CYCLES, 3, 1.5), in_axes=(0, None, None, None)),
+]

@@ -204,3 +204,16 @@ def test_lsq_step_gradient_is_the_straight_through_rounding_one():
 def test_lsq_under_jit_grad_and_vmap():
     assert_jit_grad_matches_torch(TorchFunLSQ, FunLSQ, LSQ_ARGS, argnums=(0, 1))
     assert_vmap_matches_loop(FunLSQ, LSQ_ARGS, (0, None, None, None, None), argnums=(0, 1))
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    # The in-place variant (mark_dirty) needs from_torch(..., copy_inputs=True): see test_from_torch.py.
+    dict(original=TorchLinearQuantizeSTE, port=LinearQuantizeSTE, args=(X, SCALE, ZERO_POINT, True, False),
+         argnums=(0,), in_axes=(0, None, None, None, None)),
+    dict(original=TorchBinaryQuantize, port=BinaryQuantize, args=(X, K, T), argnums=(0,), in_axes=(0, None, None)),
+    dict(original=TorchFunLSQ, port=FunLSQ, args=LSQ_ARGS, argnums=(0, 1), in_axes=(0, None, None, None, None)),
+]

@@ -139,3 +139,16 @@ def test_timm_activations_under_jit_grad_and_vmap():
     for torch_fn, port in [(TorchMishAutoFn, MishAutoFn), (TorchHardSwishAutoFn, HardSwishAutoFn)]:
         assert_jit_grad_matches_torch(torch_fn, port, (X,))
         assert_vmap_matches_loop(port, (X,), (0,))
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    dict(original=TorchMishAutoFn, port=MishAutoFn, args=(X,), second_order=True, in_axes=(0,)),
+    dict(original=TorchHardSigmoidAutoFn, port=HardSigmoidAutoFn, args=(AWAY_FROM_KINKS,), second_order=True,
+         in_axes=(0,)),
+    dict(original=TorchHardSwishAutoFn, port=HardSwishAutoFn, args=(AWAY_FROM_KINKS,), second_order=True,
+         in_axes=(0,)),
+]

@@ -128,3 +128,14 @@ def test_vector_quantization_indices_match_pytorch():
 
 def test_vector_quantization_is_differentiated_without_calling_backward():
     assert_matches_torch(TorchVectorQuantization, VectorQuantization, (INPUTS, CODEBOOK))
+
+
+# ---------------------------------------------------------------------------
+# The originals run unported through vjpkit.from_torch, beside their ports
+# (tests/ports/test_ports_from_torch.py collects every module's list).
+
+FROM_TORCH_CASES = [
+    dict(original=TorchVectorQuantizationStraightThrough, port=VectorQuantizationStraightThrough,
+         args=(INPUTS, CODEBOOK), second_order=True, in_axes=(0, None)),
+    dict(original=TorchVectorQuantization, port=VectorQuantization, args=(INPUTS, CODEBOOK), argnums=()),
+]

@@ -1,0 +1,604 @@
+"""``from_torch``: an unported PyTorch Function (or any torch callable) run inside JAX.
+
+Usage::
+
+    class TExp(torch.autograd.Function):         # the original, unchanged
+        @staticmethod
+        def forward(ctx, x):
+            y = x.exp(); ctx.save_for_backward(y); return y
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors; return g * y
+
+    Exp = vjpkit.from_torch(TExp)                # Exp.apply(x) takes JAX arrays
+    jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))(x)
+    soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1))
+
+The original runs on the host through ``jax.pure_callback``; arrays cross
+by DLPack. The result is a generated vjpkit Function whose forward calls
+torch, so static arguments, keyword arguments, the compile cache and the
+checks are vjpkit's own. Each derivative is again a generated Function:
+
+- level 0 runs the original (``Cls.apply`` or the callable);
+- level k+1 is the vector-Jacobian product of level k, computed by torch
+  autograd (``torch.autograd.grad``), which calls the class's own
+  ``backward`` with ``needs_input_grad``, ``mark_non_differentiable``,
+  ``set_materialize_grads`` and ``once_differentiable`` as in PyTorch.
+
+A torch graph cannot live from one callback to the next (under ``jit`` the
+forward callback may run long before the backward one, or be dropped), so
+each level re-runs the levels below it: a gradient runs torch's forward
+again, then its backward. Under ``jax.jit(jax.grad(...))`` XLA drops the
+unused forward callback, so a gradient costs one forward and one backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from . import _sharding
+from ._ctx import FunctionCtx, is_array
+from ._function import Function
+from ._host import _pure_callback
+from ._once import call_without_derivative, once_differentiable
+from ._outputs import is_differentiable_dtype
+from ._tree import Partition, partition
+
+__all__ = ["from_torch"]
+
+
+def from_torch(obj: Any, *, copy_inputs: bool = False) -> Any:
+    """Wraps a ``torch.autograd.Function`` subclass, or a torch callable, as a JAX function.
+
+    Args:
+        obj: a ``torch.autograd.Function`` subclass (the result has ``.apply``
+            taking the same arguments, and is callable), or any callable of
+            tensors (the result is a function of the same arguments).
+        copy_inputs: give torch copies of the arrays instead of zero-copy
+            views. Needed when the original writes into its inputs or its
+            gradients in place (``x.add_(1)`` with ``ctx.mark_dirty(x)``,
+            ``grad_output[mask] = 0``): a view would write into JAX's buffer.
+
+    Returns:
+        A vjpkit Function class (for a Function subclass) or its ``apply``.
+
+    The key differences to porting the class are: it runs PyTorch on the
+    host on every call (a callback per call, forward run again to
+    differentiate), it cannot be fused or sharded by XLA, and forward mode
+    needs the original's ``jvp`` (or torch's forward AD, for a callable).
+    """
+    torch = _import_torch()
+    if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
+        return _from_function_class(torch, obj, copy_inputs)
+    if isinstance(obj, type) and issubclass(obj, Function):
+        raise TypeError(
+            f"vjpkit.from_torch({obj.__name__}): {obj.__name__} is already a vjpkit Function; "
+            f"call {obj.__name__}.apply directly."
+        )
+    if not callable(obj):
+        raise TypeError(
+            f"vjpkit.from_torch expects a torch.autograd.Function subclass or a callable of "
+            f"tensors, got {type(obj).__name__}."
+        )
+    return _from_callable(torch, obj, copy_inputs)
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is installed where this is tested
+        raise ImportError(
+            "vjpkit.from_torch needs PyTorch: pip install torch (the CPU wheel is enough)."
+        ) from e
+    return torch
+
+
+# ---------------------------------------------------------------------------
+# The two fronts: a Function class and a callable.
+
+
+def _from_function_class(torch: Any, cls: Any, copy_inputs: bool) -> Any:
+    base = torch.autograd.Function
+    name = cls.__name__
+    new_style = _defines(cls, base, "setup_context")
+    params = list(inspect.signature(cls.forward).parameters.values())
+    if not new_style:
+        params = params[1:]  # forward(ctx, ...)
+    backward = cls.backward if _defines(cls, base, "backward") else None
+    origin = _Origin(
+        torch=torch,
+        name=name,
+        call=cls.apply,
+        forward_name=f"{name}.forward",
+        backward_name=f"{name}.backward",
+        params=params,
+        copy_inputs=copy_inputs,
+        # torch.func.vmap runs the class's own batching rule; it needs setup_context.
+        batching_rule=new_style and (_defines(cls, base, "vmap") or bool(getattr(cls, "generate_vmap_rule", False))),
+        has_jvp=_defines(cls, base, "jvp"),
+        once=backward is not None and _is_torch_once_differentiable(backward),
+    )
+    return _level_zero_class(origin, differentiable=backward is not None, doc=cls.__doc__)
+
+
+def _from_callable(torch: Any, fn: Callable, copy_inputs: bool) -> Callable:
+    name = getattr(fn, "__name__", type(fn).__name__).replace("<lambda>", "lambda")
+    origin = _Origin(
+        torch=torch,
+        name=name,
+        call=fn,
+        forward_name=name,
+        backward_name=f"{name} (torch autograd)",
+        params=list(inspect.signature(fn).parameters.values()),
+        copy_inputs=copy_inputs,
+        batching_rule=False,
+        has_jvp=True,  # torch's own forward derivatives of its operations
+        once=False,
+    )
+    cls: Any = _level_zero_class(origin, differentiable=True, doc=fn.__doc__)
+    apply = cls.apply
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return apply(*args, **kwargs)
+
+    call.__signature__ = inspect.Signature(origin.params)  # type: ignore[attr-defined]
+    call._vjpkit_from_torch = True  # type: ignore[attr-defined]
+    return call
+
+
+def _defines(cls: type, base: type, method: str) -> bool:
+    return getattr(cls, method, None) is not getattr(base, method, None)
+
+
+def _is_torch_once_differentiable(backward: Any) -> bool:
+    """torch.autograd.function.once_differentiable leaves no marker but its wrapper's code."""
+    code = getattr(backward, "__code__", None)
+    return (code is not None and hasattr(backward, "__wrapped__")
+            and code.co_filename.replace("\\", "/").endswith("torch/autograd/function.py"))
+
+
+class _Origin:
+    """The original: how to call it, and how to name it in errors."""
+
+    def __init__(self, *, torch: Any, name: str, call: Callable, forward_name: str, backward_name: str,
+                 params: list, copy_inputs: bool, batching_rule: bool, has_jvp: bool, once: bool):
+        self.torch = torch
+        self.name = name
+        self.call = call
+        self.forward_name = forward_name
+        self.backward_name = backward_name
+        self.params = params
+        self.keyword_only = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+        self.copy_inputs = copy_inputs
+        self.batching_rule = batching_rule
+        self.has_jvp = has_jvp  # whether torch's forward AD can run the original
+        self.once = once  # whether the original's backward is once_differentiable
+
+
+# ---------------------------------------------------------------------------
+# Level 0: a vjpkit Function whose forward calls the original.
+
+
+def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None) -> Any:
+    programs: dict[Any, _Program] = {}  # per static signature, as vjpkit's own cache
+
+    def program_for(values: tuple) -> tuple[_Program, list]:
+        layout, arrays = partition(values, is_array, by_value=True)
+        kinds = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
+        key = (layout, kinds)
+        program = programs.get(key)
+        if program is None:
+            program = programs[key] = _Program.original(origin, layout, kinds)
+        return program, arrays
+
+    def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
+        values = (*args, *(kwargs[k] for k in origin.keyword_only))
+        program, arrays = program_for(values)
+        owners = program.layout.owners()
+        wanted = tuple(
+            bool(ctx.needs_input_grad[owners[i][0]]) and is_differentiable_dtype(dtype)
+            for i, (_, dtype) in zip(program.layout.dynamic, program.in_kinds, strict=True)
+        )
+        ctx.save_for_backward(*arrays)
+        ctx.save_for_forward(*arrays)
+        ctx.program = program
+        ctx.wanted = wanted
+        # An unused output's gradient arrives as None, so that torch sees it absent
+        # (and applies the original's own set_materialize_grads).
+        ctx.set_materialize_grads(False)
+        return program.out_layout.combine(program.call(arrays, wanted, batched=origin.batching_rule))
+
+    def backward(ctx: FunctionCtx, *grads: Any) -> Any:
+        program: _Program = ctx.program
+        grad_leaves = program.out_layout.treedef.flatten_up_to(
+            grads[0] if program.single_output else grads
+        )
+        given, cotangents = program.cotangents([grad_leaves[i] for i in program.out_layout.dynamic])
+        gradients = program.vjp(ctx.wanted, given).apply(*ctx.saved_tensors, *cotangents)
+        per_leaf = iter(gradients)
+        leaves = [next(per_leaf) if w else None for w in ctx.wanted]
+        return tuple(program.layout.combine(leaves, keep_static=False))
+
+    def jvp(ctx: FunctionCtx, *tangents: Any) -> Any:
+        program: _Program = ctx.program
+        leaves = program.layout.treedef.flatten_up_to(tangents)
+        dynamic = [leaves[i] for i in program.layout.dynamic]
+        return program.out_layout.combine(program.jvp(ctx.saved_tensors, dynamic), keep_static=False)
+
+    namespace: dict[str, Any] = {"__doc__": doc, "__module__": __name__, "forward": staticmethod(forward),
+                                 "_vjpkit_from_torch": True}
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_ONLY), *origin.params]
+    )
+    forward.__name__ = forward.__qualname__ = f"{origin.name}.forward"
+    if differentiable:
+        namespace["backward"] = staticmethod(once_differentiable(backward) if origin.once else backward)
+    if origin.has_jvp:
+        namespace["jvp"] = staticmethod(jvp)
+    return type(origin.name, (Function,), namespace)
+
+
+# ---------------------------------------------------------------------------
+# A torch computation of flat tensors, and its derivatives.
+
+
+class _Program:
+    """A torch computation from flat tensors to flat tensors, and how to run it in JAX.
+
+    ``run(tensors, create_graph)`` computes the outputs (``None`` for a zero)
+    with torch; ``in_kinds`` and ``out_kinds`` are the (shape, dtype) of each
+    input and output, known while JAX traces.
+    """
+
+    def __init__(self, origin: _Origin, method: str, run: Callable, in_kinds: tuple, out_kinds: tuple):
+        self.origin = origin
+        self.method = method  # what errors name: "TExp.forward", "TExp.backward", ...
+        self.run = run
+        self.in_kinds = in_kinds
+        self.out_kinds = out_kinds
+        self.differentiable_out = tuple(is_differentiable_dtype(d) for _, d in out_kinds)
+        self.out_layout: Partition = partition(list(range(len(out_kinds))), lambda _: True)[0]
+        self.single_output = False
+        self.layout: Partition = partition(list(range(len(in_kinds))), lambda _: True)[0]
+        self._vjps: dict[tuple, Any] = {}
+
+    @classmethod
+    def original(cls, origin: _Origin, layout: Partition, in_kinds: tuple) -> _Program:
+        """Level 0: the original, called with the static arguments in place."""
+        torch = origin.torch
+
+        def rebuild(tensors: Sequence[Any]) -> tuple[tuple, dict]:
+            values = layout.combine(list(tensors))
+            n = len(values) - len(origin.keyword_only)
+            return tuple(values[:n]), dict(zip(origin.keyword_only, values[n:], strict=True))
+
+        out_info: dict[str, Any] = {}
+
+        def run(tensors: Sequence[Any], create_graph: bool) -> list:
+            if origin.copy_inputs:  # not leaves: mark_dirty's in-place update is then allowed
+                tensors = [t.clone() for t in tensors]
+            args, kwargs = rebuild(tensors)
+            out = origin.call(*args, **kwargs)
+            leaves, treedef = jax.tree_util.tree_flatten(out)
+            if "treedef" not in out_info:  # the first run, for the output description
+                out_info.update(treedef=treedef, leaves=leaves)
+            elif treedef != out_info["treedef"]:
+                raise TypeError(
+                    f"{origin.forward_name} returned outputs of structure {treedef}, but it returned "
+                    f"{out_info['treedef']} when vjpkit first ran it on these shapes. from_torch needs "
+                    "forward's output structure and shapes to depend only on its inputs' shapes."
+                )
+            return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+        program = cls(origin, origin.forward_name, run, in_kinds, ())
+        out_leaves, out_treedef = _infer_outputs(program, run, out_info)
+        tensor_at = [k for k, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
+        program.out_kinds = tuple(_torch_kind(out_leaves[k]) for k in tensor_at)
+        program.differentiable_out = tuple(is_differentiable_dtype(d) for _, d in program.out_kinds)
+        marker = object()
+        template = [marker if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
+        program.out_layout = partition(jax.tree_util.tree_unflatten(out_treedef, template),
+                                       lambda x: x is marker)[0]
+        # A tuple output gives backward one gradient per element; anything else one gradient.
+        program.single_output = not isinstance(jax.tree_util.tree_unflatten(out_treedef, template), tuple)
+        program.layout = layout
+        return program
+
+    # -- JAX side -------------------------------------------------------------
+
+    def call(self, arrays: Sequence[Any], wanted: tuple, batched: bool = False) -> list:
+        """The outputs, computed by one host callback (``wanted``: which inputs torch differentiates)."""
+        out_struct = [jax.ShapeDtypeStruct(s, d) for s, d in self.out_kinds]
+        if not out_struct:
+            return []
+        host = functools.partial(self._host_forward, wanted)
+
+        def forward_of_arrays(*xs: Any) -> Any:
+            out = _pure_callback(host, out_struct, *xs, vmap_method="expand_dims" if batched else "sequential")
+            return _sharding.vary_like(out, list(xs))  # under shard_map: per-device values
+
+        if not (self.origin.once and self.method == self.origin.forward_name):
+            # A higher derivative differentiates the outputs through vjpkit's tie (by
+            # backward), never through this callback, which JAX cannot differentiate.
+            return list(forward_of_arrays(*(jax.lax.stop_gradient(a) for a in arrays)))
+        # vjpkit differentiates a once_differentiable Function's forward itself for a
+        # second derivative: that must raise the decorator's error, not JAX's callback one.
+        message = (f"{self.origin.backward_name} is decorated with @once_differentiable, so it cannot be "
+                   "differentiated (a second derivative such as jax.hessian or grad of grad was asked for).")
+        return list(call_without_derivative(forward_of_arrays, list(arrays), message))
+
+    def vjp(self, wanted: tuple, given: tuple) -> Any:
+        """The vjpkit Function computing this program's input gradients (for ``wanted`` inputs)."""
+        cls = self._vjps.get((wanted, given))
+        if cls is None:
+            cls = self._vjps[wanted, given] = _flat_class(_Program.vjp_of(self, wanted, given), self.origin.has_jvp)
+        return cls
+
+    def cotangents(self, grad_leaves: Sequence[Any]) -> tuple[tuple, list]:
+        """Which differentiable outputs JAX passed a cotangent for, and those cotangents."""
+        given = tuple(g is not None for g, d in zip(grad_leaves, self.differentiable_out, strict=True) if d)
+        return given, [g for g, d in zip(grad_leaves, self.differentiable_out, strict=True) if d and g is not None]
+
+    @classmethod
+    def vjp_of(cls, inner: _Program, wanted: tuple, given: tuple) -> _Program:
+        """Level k+1: (inputs, given output cotangents) to the wanted inputs' gradients, by torch autograd.
+
+        An output without a cotangent is left out of ``torch.autograd.grad``,
+        so the original's backward receives None or zeros for it, as in PyTorch.
+        """
+        origin = inner.origin
+        torch = origin.torch
+        n = len(inner.in_kinds)
+
+        def run(tensors: Sequence[Any], create_graph: bool) -> list:
+            xs, cts = list(tensors[:n]), list(tensors[n:])
+            for k, w in enumerate(wanted):
+                if w and not xs[k].requires_grad:
+                    # In place, not on a detached copy: that would drop a forward-mode tangent.
+                    xs[k] = xs[k].requires_grad_(True) if xs[k].is_leaf else xs[k].detach().requires_grad_(True)
+            with torch.enable_grad():
+                outs = inner.run(xs, True)
+            differentiable = [o for o, d in zip(outs, inner.differentiable_out, strict=True) if d]
+            with_cotangent = [o for o, g in zip(differentiable, given, strict=True) if g]
+            pairs = [(o, c) for o, c in zip(with_cotangent, cts, strict=True) if o is not None and o.requires_grad]
+            targets = [x for x, w in zip(xs, wanted, strict=True) if w]
+            if pairs:
+                grads = torch.autograd.grad([o for o, _ in pairs], targets, [c for _, c in pairs],
+                                            create_graph=create_graph, allow_unused=True)
+            else:
+                grads = [None] * len(targets)
+            return list(grads)
+
+        diff_out = [k for k, d in zip(inner.out_kinds, inner.differentiable_out, strict=True) if d]
+        in_kinds = (*inner.in_kinds, *(k for k, g in zip(diff_out, given, strict=True) if g))
+        out_kinds = tuple(k for k, w in zip(inner.in_kinds, wanted, strict=True) if w)
+        method = origin.backward_name if inner.method == origin.forward_name else f"{inner.method} (differentiated)"
+        return cls(origin, method, run, in_kinds, out_kinds)
+
+    def jvp(self, arrays: Sequence[Any], tangents: Sequence[Any]) -> list:
+        """The output tangents, by torch's forward-mode AD (the class's own ``jvp``)."""
+        present = tuple(t is not None and is_differentiable_dtype(k[1])
+                        for t, k in zip(tangents, self.in_kinds, strict=True))
+        sent = [t for t, p in zip(tangents, present, strict=True) if p]
+        out_struct = [jax.ShapeDtypeStruct(s, d) for (s, d), diff in
+                      zip(self.out_kinds, self.differentiable_out, strict=True) if diff]
+        host = functools.partial(self._host_jvp, present)
+        got = iter(_pure_callback(host, out_struct, *arrays, *sent, vmap_method="sequential"))
+        return [next(got) if diff else None
+                for (s, _), diff in zip(self.out_kinds, self.differentiable_out, strict=True)]
+
+    # -- host side: run when the compiled program runs --------------------------
+
+    def _tensors(self, xs: Sequence[Any]) -> list:
+        torch = self.origin.torch
+        tensors = [torch.from_dlpack(x) for x in xs]
+        return [t.clone() for t in tensors] if self.origin.copy_inputs else tensors
+
+    def _host_forward(self, wanted: tuple, *xs: Any) -> list:
+        torch = self.origin.torch
+        batch = self._batch(xs)
+        if batch:
+            return self._host_batched(xs, batch)
+        tensors = self._tensors(xs)
+        versions = [t._version for t in tensors]
+        needs_grad = any(wanted)
+        if needs_grad:
+            tensors = [t.requires_grad_(True) if w else t for t, w in zip(tensors, wanted, strict=True)]
+        with torch.enable_grad() if needs_grad else torch.no_grad():
+            outs = self._guarded(self.run, tensors, False)
+        self._check_unchanged(tensors, versions)
+        return self._to_numpy(outs)
+
+    def _host_batched(self, xs: Sequence[Any], batch: tuple) -> list:
+        """Under jax.vmap: the class's own batching rule, through torch.func.vmap (one batch axis)."""
+        torch = self.origin.torch
+        size, k = math.prod(batch), len(batch)
+        tensors: list = []
+        dims: list[int | None] = []
+        for x, (shape, _) in zip(self._tensors(xs), self.in_kinds, strict=True):
+            if size != 1 and all(d == 1 for d in x.shape[:k]):
+                tensors.append(x.reshape(shape))
+                dims.append(None)
+            else:
+                tensors.append(x.expand(*batch, *shape).reshape(size, *shape))
+                dims.append(0)
+
+        def unbatched(*ts: Any) -> tuple:
+            return tuple(self.run(list(ts), False))
+
+        with torch.no_grad():
+            outs = self._guarded(lambda ts, _: list(torch.func.vmap(unbatched, in_dims=tuple(dims))(*ts)),
+                                 tensors, False)
+        batched = [((size, *shape), dtype) for shape, dtype in self.out_kinds]
+        return [a.reshape(batch + shape) for a, (shape, _) in
+                zip(self._to_numpy(outs, batched), self.out_kinds, strict=True)]
+
+    def _batch(self, xs: Sequence[Any]) -> tuple:
+        """The leading batch axes that jax.vmap (``expand_dims``) put in front, ``()`` if none."""
+        if not xs:
+            return ()
+        k = np.ndim(xs[0]) - len(self.in_kinds[0][0])
+        return tuple(np.broadcast_shapes(*(np.shape(x)[:k] for x in xs))) if k else ()
+
+    def _host_jvp(self, present: tuple, *xs: Any) -> list:
+        torch = self.origin.torch
+        fwad = torch.autograd.forward_ad
+        n = len(self.in_kinds)
+        primals, given = self._tensors(xs[:n]), iter(self._tensors(xs[n:]))
+        with warnings.catch_warnings(), fwad.dual_level():
+            # torch's first forward-AD call loads decompositions with its own deprecated torch.jit.script.
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
+            duals = [fwad.make_dual(p, next(given)) if has else p for p, has in zip(primals, present, strict=True)]
+            with torch.enable_grad():
+                outs = self._guarded(self.run, duals, False)
+            tangents = [
+                None if o is None else fwad.unpack_dual(o).tangent
+                for o, d in zip(outs, self.differentiable_out, strict=True) if d
+            ]
+        kinds = [k for k, d in zip(self.out_kinds, self.differentiable_out, strict=True) if d]
+        return self._to_numpy(tangents, kinds)
+
+    def _guarded(self, run: Callable, tensors: list, create_graph: bool) -> list:
+        try:
+            return run(tensors, create_graph)
+        except Exception as e:
+            if not _reraisable(e):
+                raise
+            raise type(e)(f"{self.method} (PyTorch, run by vjpkit.from_torch) raised "
+                          f"{type(e).__name__}: {e}") from e
+
+    def _check_unchanged(self, tensors: list, versions: list) -> None:
+        for k, (t, v) in enumerate(zip(tensors, versions, strict=True)):
+            if t._version != v:
+                raise RuntimeError(
+                    f"{self.method} (PyTorch, run by vjpkit.from_torch) wrote into its input {k} in place, "
+                    "which shares its memory with a JAX array. Pass copy_inputs=True to vjpkit.from_torch "
+                    "so that torch works on copies."
+                )
+
+    def _to_numpy(self, outs: Sequence[Any], kinds: Sequence[tuple] | None = None) -> list:
+        kinds = self.out_kinds if kinds is None else kinds
+        return [_numpy_of(self.origin.torch, o, shape, dtype) for o, (shape, dtype) in zip(outs, kinds, strict=True)]
+
+
+def _reraisable(e: Exception) -> bool:
+    """Whether ``type(e)(message)`` rebuilds the exception (most of torch's and Python's do)."""
+    try:
+        type(e)("")
+    except Exception:
+        return False
+    return True
+
+
+def _numpy_of(torch: Any, t: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    if t is None:
+        return np.zeros(shape, dtype)
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():  # lazy conjugation: DLPack needs the values written out
+        t = t.resolve_conj().resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:  # NumPy's DLPack has no bfloat16: cross as its bits
+        a = np.from_dlpack(t.contiguous().view(torch.int16)).view(_numpy_dtype(t.dtype))
+    else:
+        a = np.from_dlpack(t)
+    if a.shape != shape:
+        a = np.broadcast_to(a, shape)
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
+def _torch_kind(t: Any) -> tuple:
+    return tuple(t.shape), np.dtype(jax.dtypes.canonicalize_dtype(_numpy_dtype(t.dtype)))
+
+
+def _numpy_dtype(torch_dtype: Any) -> np.dtype:
+    name = str(torch_dtype).removeprefix("torch.")
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype({"bool": "bool_", "complex64": "complex64", "complex128": "complex128"}.get(name, name))
+
+
+def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[list, Any]:
+    """forward's output structure, shapes and dtypes: run on meta tensors, else on sample values.
+
+    Meta tensors cost nothing but fail on data-dependent code (``.item()``,
+    ``if torch.any(...)``, NumPy); then forward runs on seeded sample values
+    (floats uniform in [0.5, 1.5], else in [-1.5, 1.5]; zero integers).
+    """
+    torch = program.origin.torch
+    meta = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device="meta") for shape, dtype in program.in_kinds]
+    try:
+        with torch.no_grad():
+            run(meta, False)
+    except Exception:
+        # Positive values first (steps, scales, norms), then both signs; torch's error from the last.
+        for low in (0.5, -1.5):
+            out_info.clear()
+            rng = np.random.default_rng(0)
+            samples = [torch.from_dlpack(_sample(rng, shape, dtype, low)) for shape, dtype in program.in_kinds]
+            try:
+                with torch.no_grad():
+                    program._guarded(run, samples, False)
+                break
+            except Exception:
+                if low != -1.5:
+                    continue
+                raise
+    leaves = out_info["leaves"]
+    treedef = out_info["treedef"]
+    out_info.pop("leaves")
+    return leaves, treedef
+
+
+def _sample(rng: np.random.Generator, shape: tuple, dtype: np.dtype, low: float) -> np.ndarray:
+    if dtype.kind in "fc":
+        return rng.uniform(low, 1.5, shape).astype(dtype)
+    return np.zeros(shape, dtype)
+
+
+def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
+    if dtype.name == "bfloat16":
+        return torch.bfloat16
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+# ---------------------------------------------------------------------------
+# Levels >= 1: flat vjpkit Functions of (inputs, cotangents).
+
+
+def _flat_class(program: _Program, has_jvp: bool) -> Any:
+    """A vjpkit Function of flat arrays running ``program``; its backward is the next level."""
+
+    def forward(ctx: FunctionCtx, *arrays: Any) -> Any:
+        wanted = tuple(bool(n) and is_differentiable_dtype(d)
+                       for n, (_, d) in zip(ctx.needs_input_grad, program.in_kinds, strict=True))
+        ctx.save_for_backward(*arrays)
+        ctx.save_for_forward(*arrays)
+        ctx.wanted = wanted
+        return tuple(program.call(arrays, wanted))
+
+    def backward(ctx: FunctionCtx, *grads: Any) -> Any:
+        given, cotangents = program.cotangents(grads)
+        gradients = iter(program.vjp(ctx.wanted, given).apply(*ctx.saved_tensors, *cotangents))
+        return tuple(next(gradients) if w else None for w in ctx.wanted)
+
+    def jvp(ctx: FunctionCtx, *tangents: Any) -> Any:
+        return tuple(program.jvp(ctx.saved_tensors, tangents))
+
+    forward.__name__ = forward.__qualname__ = f"{program.method}.forward"
+    namespace = {"__module__": __name__, "forward": staticmethod(forward), "backward": staticmethod(backward)}
+    if has_jvp:  # forward over reverse: torch's forward AD through the backward's operations
+        namespace["jvp"] = staticmethod(jvp)
+    return type(program.method, (Function,), namespace)
+
