@@ -106,7 +106,9 @@ class SoftDTW:
         return grad_output * compute_softdtw_backward(D, R.copy(), ctx.gamma), None
 
 
-FROM_TORCH_CASES = [dict(original=TorchSoftDTW, port=SoftDTW, args=(D, 0.5), second_order=False)]
+# The original computes in float32 whatever its input (as the port's own check says), so the
+# comparison's tolerance is float32's over a 4x4 dynamic program of soft minima.
+FROM_TORCH_CASES = [dict(original=TorchSoftDTW, port=SoftDTW, args=(D, 0.5), second_order=False, atol=1e-5)]
 
 
 def test_soft_dtw_matches_pytorch_to_float32_precision():
