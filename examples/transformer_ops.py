@@ -80,22 +80,22 @@ class CausalAttention(vjpkit.Function):
 
         def add_block(carry, xs):
             # Online softmax: rescale what earlier blocks summed to the new running max.
-            m, l, acc = carry
+            m, denom, acc = carry
             k_b, v_b, start = xs
             s = _causal_scores(q, k_b, start, scale)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             rescale = jnp.exp(m - m_new)
-            l = l * rescale + p.sum(-1)
+            denom = denom * rescale + p.sum(-1)
             acc = acc * rescale[..., None] + jnp.einsum("...qk,...kd->...qd", p, v_b)
-            return (m_new, l, acc), None
+            return (m_new, denom, acc), None
 
         lead = q.shape[:-1]
         init = (jnp.full(lead, NEG_INF, q.dtype), jnp.zeros(lead, q.dtype), jnp.zeros_like(q))
         starts = jnp.arange(0, t, block)
-        (m, l, acc), _ = lax.scan(add_block, init, (_key_blocks(k, block), _key_blocks(v, block), starts))
-        out = acc / l[..., None]
-        lse = m + jnp.log(l)
+        (m, denom, acc), _ = lax.scan(add_block, init, (_key_blocks(k, block), _key_blocks(v, block), starts))
+        out = acc / denom[..., None]
+        lse = m + jnp.log(denom)
         ctx.block = block
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.save_for_forward(q, k, v, out, lse)
@@ -245,7 +245,7 @@ def torch_originals():
             scale = 1.0 / math.sqrt(d)
             rows = torch.arange(t)[:, None]
             m = torch.full(q.shape[:-1], NEG_INF, dtype=q.dtype)
-            l = torch.zeros(q.shape[:-1], dtype=q.dtype)
+            denom = torch.zeros(q.shape[:-1], dtype=q.dtype)
             acc = torch.zeros_like(q)
             for start in range(0, t, block):
                 kb, vb = k[..., start:start + block, :], v[..., start:start + block, :]
@@ -254,12 +254,12 @@ def torch_originals():
                 m_new = torch.maximum(m, s.amax(-1))
                 p = torch.exp(s - m_new[..., None])
                 rescale = torch.exp(m - m_new)
-                l = l * rescale + p.sum(-1)
+                denom = denom * rescale + p.sum(-1)
                 acc = acc * rescale[..., None] + p @ vb
                 m = m_new
-            out = acc / l[..., None]
+            out = acc / denom[..., None]
             ctx.block = block
-            ctx.save_for_backward(q, k, v, out, m + torch.log(l))
+            ctx.save_for_backward(q, k, v, out, m + torch.log(denom))
             return out
 
         @staticmethod

@@ -1,0 +1,232 @@
+"""The character transformer: vjpkit Functions vs plain JAX autodiff vs PyTorch.
+
+    python benchmarks/transformer.py            # several minutes on 2 CPU cores
+    python benchmarks/transformer.py --quick    # fewer steps, rougher figures
+
+The model of examples/train_transformer.py (4 layers, width 128, 4 heads,
+batch 8), one training step (forward, backward, optimizer update), written
+four ways, all in this process:
+
+* vjpkit: the four Functions of transformer_ops.py in a ``jax.jit`` step;
+* autodiff: the same maths in plain ``jnp`` (dense attention), differentiated
+  by JAX, in the same ``jax.jit`` step;
+* PyTorch eager: the ``torch.autograd.Function`` originals, with
+  ``torch.optim.AdamW``, on as many threads as XLA uses (every core);
+* PyTorch compiled: the same, loss and gradients through ``torch.compile``.
+
+Figures:
+
+* step time at context 256 (median of interleaved steps; the vjpkit /
+  autodiff ratio is the median of paired ratios, benchmarks/_timing.py), and
+  tokens per second;
+* peak memory of a step: for the JAX programs, XLA's plan
+  (``jit(...).lower(...).compile().memory_analysis().temp_size_in_bytes``) at
+  context 256, 1024 and 4096, nothing executed; for every candidate at
+  context 256, the rise of the process's resident-set high-water mark over a
+  few steps (Linux ``/proc/self/clear_refs`` resets it), so the four compare
+  on one scale;
+* the attention's residuals (what its forward keeps for backward: the
+  arrays the VJP closes over, ``jax.vjp`` traced with ``jax.eval_shape``),
+  per layer;
+* the optimized HLO's instruction count.
+
+Each timed figure has an A/A row: the same candidate timed again under
+another name, interleaved with the rest, which shows how much of a
+difference is noise. Targets: vjpkit / autodiff step time <= 1.05, the
+attention's residuals <= 0.25x autodiff's at context 1024 and falling.
+"""
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import Candidate, median, no_wait, paired_ratio, print_table, time_interleaved
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import train_transformer as tt  # noqa: E402
+import transformer_ops as ops  # noqa: E402
+
+BATCH = 8
+CONFIG = tt.Config()
+MEMORY_CONTEXTS = (256, 1024, 4096)
+JAX_OPS = {"vjpkit": tt.VJPKIT_OPS, "autodiff": tt.AUTODIFF_OPS}
+
+
+def batch_of(config, seed=0):
+    rng = np.random.default_rng(seed)
+    return tt.sample_batch(rng.integers(0, tt.VOCAB, 100_000).astype(np.int32), BATCH, config.context, rng)
+
+
+def jax_step(o, config):
+    """The jitted train step, its arguments, and a zero-argument stepper that waits for it."""
+    optimizer = tt.make_optimizer(1000)
+    params = tt.init_params(jax.random.key(0), config)
+    args = [params, optimizer.init(params), *batch_of(config)]
+    train_step = tt.make_train_step(optimizer, config, o)
+
+    def step():
+        args[0], args[1], loss = train_step(*args)
+        jax.block_until_ready(loss)
+
+    return train_step, args, step
+
+
+def compiled_figures(o, config):
+    """XLA's planned temporary bytes and the optimized HLO's instruction count of one step."""
+    train_step, args, _ = jax_step(o, config)
+    compiled = train_step.lower(*args).compile()
+    instructions = sum(1 for line in compiled.as_text().splitlines() if re.match(r"\s*(ROOT )?%\S+ = ", line))
+    return compiled.memory_analysis().temp_size_in_bytes, instructions
+
+
+def attention_residual_bytes(attention, config):
+    """Bytes of the arrays one layer's attention keeps for its backward (batch BATCH)."""
+    shape = jax.ShapeDtypeStruct((BATCH, config.heads, config.context, config.width // config.heads), jnp.float32)
+    pullback = jax.eval_shape(lambda q, k, v: jax.vjp(lambda *a: attention(*a, config.block), q, k, v)[1],
+                              shape, shape, shape)
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(pullback))
+
+
+def torch_stepper(config, compiled):
+    """The model with the PyTorch originals, AdamW and gradient clipping; a zero-argument stepper."""
+    import torch
+
+    originals = ops.torch_originals()
+    attention, layer_norm = originals["CausalAttention"].apply, originals["LayerNorm"].apply
+    gelu, cross_entropy = originals["GELU"].apply, originals["SoftmaxCrossEntropy"].apply
+    flat, tree = jax.tree.flatten(tt.init_params(jax.random.key(0), config))
+    weights = [torch.tensor(np.asarray(a), requires_grad=True) for a in flat]
+    tokens, targets = (torch.tensor(a, dtype=torch.int64) for a in batch_of(config))
+    h, d = config.heads, config.width
+
+    def loss_fn(weights, tokens, targets):
+        p = jax.tree.unflatten(tree, weights)
+        b, t = tokens.shape
+        x = p["embed"][tokens] + p["pos"][:t]
+        for blk in p["blocks"]:
+            y = layer_norm(x, blk["ln1"]["weight"], blk["ln1"]["bias"])
+            q, k, v = (z.reshape(b, t, h, d // h).transpose(1, 2) for z in (y @ blk["qkv"]).split(d, dim=-1))
+            a = attention(q, k, v, config.block).transpose(1, 2).reshape(b, t, d)
+            x = x + a @ blk["proj"]
+            y = layer_norm(x, blk["ln2"]["weight"], blk["ln2"]["bias"])
+            x = x + gelu(y @ blk["fc"] + blk["fc_bias"]) @ blk["out"] + blk["out_bias"]
+        x = layer_norm(x, p["ln_f"]["weight"], p["ln_f"]["bias"])
+        return cross_entropy((x @ p["head"]).reshape(-1, tt.VOCAB), targets.reshape(-1))
+
+    torch.set_num_threads(os.cpu_count())
+    run = torch.compile(loss_fn) if compiled else loss_fn
+    optimizer = torch.optim.AdamW(weights, lr=1e-3, weight_decay=0.1)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        run(weights, tokens, targets).backward()
+        torch.nn.utils.clip_grad_norm_(weights, 1.0)
+        optimizer.step()
+
+    return step
+
+
+def resident_rise(step, steps=3):
+    """Bytes the resident-set high-water mark rises over ``steps`` steps above the resting size (Linux)."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return None
+
+    def field(name):
+        return int(re.search(rf"^{name}:\s+(\d+) kB", status.read_text(), re.MULTILINE).group(1)) * 1024
+
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    resting = field("VmRSS")
+    for _ in range(steps):
+        step()
+    return field("VmHWM") - resting
+
+
+def mib(n):
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps: rougher figures, sooner")
+    parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out")
+    parser.add_argument("--no-torch-compile", action="store_true", help="leave torch.compile out")
+    args = parser.parse_args()
+    steps = 10 if args.quick else 40
+
+    device = jax.devices()[0]
+    print(f"device: {device.platform} ({device.device_kind}), {os.cpu_count()} CPU cores, "
+          f"load average {os.getloadavg()[0]:.1f}; {CONFIG.layers} layers, width {CONFIG.width}, "
+          f"{CONFIG.heads} heads, batch {BATCH}, attention block {CONFIG.block}")
+
+    # --- JAX: memory plans, residuals and HLO size at every context length.
+    memory_rows = []
+    for context in MEMORY_CONTEXTS:
+        config = CONFIG._replace(context=context)
+        figures = {name: compiled_figures(o, config) for name, o in JAX_OPS.items()}
+        residuals = {name: attention_residual_bytes(o.attention, config) for name, o in JAX_OPS.items()}
+        memory_rows.append((
+            context,
+            mib(figures["vjpkit"][0]), mib(figures["autodiff"][0]),
+            f"{figures['vjpkit'][0] / figures['autodiff'][0]:.2f}",
+            mib(residuals["vjpkit"]), mib(residuals["autodiff"]),
+            f"{residuals['vjpkit'] / residuals['autodiff']:.3f}",
+            figures["vjpkit"][1], figures["autodiff"][1],
+        ))
+    print_table("Memory XLA plans for one training step (nothing executed), and HLO size",
+                ["context", "vjpkit temp", "autodiff temp", "ratio", "vjpkit attention residuals / layer",
+                 "autodiff attention residuals / layer", "ratio", "vjpkit HLO instructions",
+                 "autodiff HLO instructions"], memory_rows)
+
+    # --- Step times at context 256: JAX candidates interleaved, A/A rows included.
+    tokens = BATCH * CONFIG.context
+    steppers = {name: jax_step(o, CONFIG)[2] for name, o in JAX_OPS.items()}
+    candidates = [Candidate(name, step, no_wait) for name, step in steppers.items()]
+    candidates += [Candidate(f"{name} (A/A)", step, no_wait) for name, step in steppers.items()]
+    times = time_interleaved(candidates, repeat=steps, warmup=2)
+    rises = {name: resident_rise(step) for name, step in steppers.items()}
+    # PyTorch on its own, after JAX: its idle OpenMP threads keep spinning for
+    # a while after each step, which would slow down whatever ran next.
+    notes = []
+    if not args.no_torch:
+        torch_steppers = {"pytorch eager": lambda: torch_stepper(CONFIG, False)}
+        if not args.no_torch_compile:
+            torch_steppers["pytorch torch.compile"] = lambda: torch_stepper(CONFIG, True)
+        for name, make in torch_steppers.items():
+            try:
+                step = make()
+                torch_times = time_interleaved([Candidate(name, step, no_wait),
+                                                Candidate(f"{name} (A/A)", step, no_wait)], repeat=steps, warmup=2)
+            except Exception as error:  # torch.compile needs a working C++ toolchain, among others
+                notes.append(f"{name}: failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                continue
+            times.update(torch_times)
+            rises[name] = resident_rise(step)
+
+    rows = []
+    for name, samples in times.items():
+        base = name.removesuffix(" (A/A)")
+        ratio = paired_ratio(times, name, "autodiff") if name.startswith(("vjpkit", "autodiff")) else None
+        aa = paired_ratio(times, name, base) if name != base else None
+        rows.append((
+            name,
+            f"{median(samples) * 1e3:.1f} ms",
+            f"{tokens / median(samples):,.0f}",
+            "-" if ratio is None else f"{ratio:.3f}",
+            "-" if aa is None else f"{aa:.3f}",
+            mib(rises.get(name)) if name == base else "-",
+        ))
+    print_table(f"One training step at context {CONFIG.context} ({tokens} tokens), median of {steps}",
+                ["candidate", "step", "tokens/s", "/ autodiff (paired)", "/ A (paired)", "peak RSS rise"], rows)
+    for note in notes:
+        print(note)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
