@@ -37,6 +37,7 @@ attention's residuals <= 0.25x autodiff's at context 1024 and falling.
 """
 
 import argparse
+import ctypes
 import os
 import re
 import sys
@@ -92,7 +93,7 @@ def attention_residual_bytes(attention, config):
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(pullback))
 
 
-def torch_stepper(config, compiled):
+def torch_stepper(config, compiled, threads):
     """The model with the PyTorch originals, AdamW and gradient clipping; a zero-argument stepper."""
     import torch
 
@@ -104,8 +105,7 @@ def torch_stepper(config, compiled):
     tokens, targets = (torch.tensor(a, dtype=torch.int64) for a in batch_of(config))
     h, d = config.heads, config.width
 
-    def loss_fn(weights, tokens, targets):
-        p = jax.tree.unflatten(tree, weights)
+    def loss_fn(p, tokens, targets):
         b, t = tokens.shape
         x = p["embed"][tokens] + p["pos"][:t]
         for blk in p["blocks"]:
@@ -118,13 +118,14 @@ def torch_stepper(config, compiled):
         x = layer_norm(x, p["ln_f"]["weight"], p["ln_f"]["bias"])
         return cross_entropy((x @ p["head"]).reshape(-1, tt.VOCAB), targets.reshape(-1))
 
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(threads)
     run = torch.compile(loss_fn) if compiled else loss_fn
+    params = jax.tree.unflatten(tree, weights)  # outside torch.compile, which cannot trace jax.tree
     optimizer = torch.optim.AdamW(weights, lr=1e-3, weight_decay=0.1)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        run(weights, tokens, targets).backward()
+        run(params, tokens, targets).backward()
         torch.nn.utils.clip_grad_norm_(weights, 1.0)
         optimizer.step()
 
@@ -140,6 +141,8 @@ def resident_rise(step, steps=3):
     def field(name):
         return int(re.search(rf"^{name}:\s+(\d+) kB", status.read_text(), re.MULTILINE).group(1)) * 1024
 
+    # glibc keeps freed memory resident (PyTorch's CPU tensors live there); hand it back first.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     resting = field("VmRSS")
     for _ in range(steps):
@@ -156,6 +159,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer steps: rougher figures, sooner")
     parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out")
     parser.add_argument("--no-torch-compile", action="store_true", help="leave torch.compile out")
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="default: every core, as XLA")
+    parser.add_argument("--torch-steps", type=int, default=10, help="timed steps of each PyTorch candidate")
     args = parser.parse_args()
     steps = 10 if args.quick else 40
 
@@ -194,14 +199,15 @@ def main():
     # a while after each step, which would slow down whatever ran next.
     notes = []
     if not args.no_torch:
-        torch_steppers = {"pytorch eager": lambda: torch_stepper(CONFIG, False)}
+        torch_steppers = {"pytorch eager": lambda: torch_stepper(CONFIG, False, args.torch_threads)}
         if not args.no_torch_compile:
-            torch_steppers["pytorch torch.compile"] = lambda: torch_stepper(CONFIG, True)
+            torch_steppers["pytorch torch.compile"] = lambda: torch_stepper(CONFIG, True, args.torch_threads)
         for name, make in torch_steppers.items():
             try:
                 step = make()
                 torch_times = time_interleaved([Candidate(name, step, no_wait),
-                                                Candidate(f"{name} (A/A)", step, no_wait)], repeat=steps, warmup=2)
+                                                Candidate(f"{name} (A/A)", step, no_wait)],
+                                               repeat=args.torch_steps, warmup=2)
             except Exception as error:  # torch.compile needs a working C++ toolchain, among others
                 notes.append(f"{name}: failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
                 continue
@@ -221,7 +227,8 @@ def main():
             "-" if aa is None else f"{aa:.3f}",
             mib(rises.get(name)) if name == base else "-",
         ))
-    print_table(f"One training step at context {CONFIG.context} ({tokens} tokens), median of {steps}",
+    print_table(f"One training step at context {CONFIG.context} ({tokens} tokens), median of {steps} "
+                f"(PyTorch: {args.torch_steps}, {args.torch_threads} threads)",
                 ["candidate", "step", "tokens/s", "/ autodiff (paired)", "/ A (paired)", "peak RSS rise"], rows)
     for note in notes:
         print(note)
