@@ -11,14 +11,20 @@ four ways, all in this process:
 * autodiff: the same maths in plain ``jnp`` (dense attention), differentiated
   by JAX, in the same ``jax.jit`` step;
 * PyTorch eager: the ``torch.autograd.Function`` originals, with
-  ``torch.optim.AdamW``, on as many threads as XLA uses (every core);
-* PyTorch compiled: the same, loss and gradients through ``torch.compile``.
+  ``torch.optim.AdamW``, on as many threads as XLA uses (every core;
+  ``--torch-threads``);
+* PyTorch compiled: the same, loss and gradients through ``torch.compile``
+  (its inductor backend compiles C++ on the CPU, with gcc).
+
+All candidates take turns step by step, so the ratios pair neighbouring
+steps. On a machine that other processes load, PyTorch's OpenMP threads wait
+for each other and a step on 2 threads can take several times longer than on
+1; ``--torch-threads 1`` then shows PyTorch at its best.
 
 Figures:
 
-* step time at context 256 (median of interleaved steps; the vjpkit /
-  autodiff ratio is the median of paired ratios, benchmarks/_timing.py), and
-  tokens per second;
+* step time at context 256 (median of interleaved steps; ratios are medians
+  of paired ratios, benchmarks/_timing.py), and tokens per second;
 * peak memory of a step: for the JAX programs, XLA's plan
   (``jit(...).lower(...).compile().memory_analysis().temp_size_in_bytes``) at
   context 256, 1024 and 4096, nothing executed; for every candidate at
@@ -93,15 +99,15 @@ def attention_residual_bytes(attention, config):
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(pullback))
 
 
-def torch_stepper(config, compiled, threads):
-    """The model with the PyTorch originals, AdamW and gradient clipping; a zero-argument stepper."""
+def torch_model(config):
+    """The model with the PyTorch originals: its loss function, parameters (the JAX model's) and a batch."""
     import torch
 
     originals = ops.torch_originals()
     attention, layer_norm = originals["CausalAttention"].apply, originals["LayerNorm"].apply
     gelu, cross_entropy = originals["GELU"].apply, originals["SoftmaxCrossEntropy"].apply
-    flat, tree = jax.tree.flatten(tt.init_params(jax.random.key(0), config))
-    weights = [torch.tensor(np.asarray(a), requires_grad=True) for a in flat]
+    params = jax.tree.map(lambda a: torch.tensor(np.asarray(a), requires_grad=True),
+                          tt.init_params(jax.random.key(0), config))
     tokens, targets = (torch.tensor(a, dtype=torch.int64) for a in batch_of(config))
     h, d = config.heads, config.width
 
@@ -118,9 +124,17 @@ def torch_stepper(config, compiled, threads):
         x = layer_norm(x, p["ln_f"]["weight"], p["ln_f"]["bias"])
         return cross_entropy((x @ p["head"]).reshape(-1, tt.VOCAB), targets.reshape(-1))
 
+    return loss_fn, params, tokens, targets
+
+
+def torch_stepper(config, compiled, threads):
+    """A zero-argument step of the PyTorch model: AdamW and gradient clipping, as the JAX step."""
+    import torch
+
+    loss_fn, params, tokens, targets = torch_model(config)
     torch.set_num_threads(threads)
     run = torch.compile(loss_fn) if compiled else loss_fn
-    params = jax.tree.unflatten(tree, weights)  # outside torch.compile, which cannot trace jax.tree
+    weights = jax.tree.leaves(params)
     optimizer = torch.optim.AdamW(weights, lr=1e-3, weight_decay=0.1)
 
     def step():
@@ -159,10 +173,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer steps: rougher figures, sooner")
     parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out")
     parser.add_argument("--no-torch-compile", action="store_true", help="leave torch.compile out")
-    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="default: every core, as XLA")
-    parser.add_argument("--torch-steps", type=int, default=10, help="timed steps of each PyTorch candidate")
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(),
+                        help="PyTorch's intra-op threads; default: every core, as XLA uses")
     args = parser.parse_args()
-    steps = 10 if args.quick else 40
+    steps = 5 if args.quick else 20
 
     device = jax.devices()[0]
     print(f"device: {device.platform} ({device.device_kind}), {os.cpu_count()} CPU cores, "
@@ -188,48 +202,45 @@ def main():
                  "autodiff attention residuals / layer", "ratio", "vjpkit HLO instructions",
                  "autodiff HLO instructions"], memory_rows)
 
-    # --- Step times at context 256: JAX candidates interleaved, A/A rows included.
+    # --- Step times at context 256: every candidate interleaved with the others, A/A rows included.
     tokens = BATCH * CONFIG.context
     steppers = {name: jax_step(o, CONFIG)[2] for name, o in JAX_OPS.items()}
+    notes = []
+    if not args.no_torch:
+        makers = {"pytorch eager": False, "pytorch torch.compile": True}
+        if args.no_torch_compile:
+            del makers["pytorch torch.compile"]
+        for name, compiled in makers.items():
+            try:
+                step = torch_stepper(CONFIG, compiled, args.torch_threads)
+                step()  # torch.compile compiles here; it needs a working C++ compiler, among others
+            except Exception as error:
+                notes.append(f"{name}: failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                continue
+            steppers[name] = step
     candidates = [Candidate(name, step, no_wait) for name, step in steppers.items()]
     candidates += [Candidate(f"{name} (A/A)", step, no_wait) for name, step in steppers.items()]
     times = time_interleaved(candidates, repeat=steps, warmup=2)
     rises = {name: resident_rise(step) for name, step in steppers.items()}
-    # PyTorch on its own, after JAX: its idle OpenMP threads keep spinning for
-    # a while after each step, which would slow down whatever ran next.
-    notes = []
-    if not args.no_torch:
-        torch_steppers = {"pytorch eager": lambda: torch_stepper(CONFIG, False, args.torch_threads)}
-        if not args.no_torch_compile:
-            torch_steppers["pytorch torch.compile"] = lambda: torch_stepper(CONFIG, True, args.torch_threads)
-        for name, make in torch_steppers.items():
-            try:
-                step = make()
-                torch_times = time_interleaved([Candidate(name, step, no_wait),
-                                                Candidate(f"{name} (A/A)", step, no_wait)],
-                                               repeat=args.torch_steps, warmup=2)
-            except Exception as error:  # torch.compile needs a working C++ toolchain, among others
-                notes.append(f"{name}: failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
-                continue
-            times.update(torch_times)
-            rises[name] = resident_rise(step)
 
     rows = []
     for name, samples in times.items():
         base = name.removesuffix(" (A/A)")
-        ratio = paired_ratio(times, name, "autodiff") if name.startswith(("vjpkit", "autodiff")) else None
         aa = paired_ratio(times, name, base) if name != base else None
         rows.append((
             name,
             f"{median(samples) * 1e3:.1f} ms",
             f"{tokens / median(samples):,.0f}",
-            "-" if ratio is None else f"{ratio:.3f}",
+            f"{paired_ratio(times, name, 'autodiff'):.3f}",
+            f"{paired_ratio(times, name, 'vjpkit'):.3f}",
             "-" if aa is None else f"{aa:.3f}",
             mib(rises.get(name)) if name == base else "-",
         ))
-    print_table(f"One training step at context {CONFIG.context} ({tokens} tokens), median of {steps} "
-                f"(PyTorch: {args.torch_steps}, {args.torch_threads} threads)",
-                ["candidate", "step", "tokens/s", "/ autodiff (paired)", "/ A (paired)", "peak RSS rise"], rows)
+    print_table(f"One training step at context {CONFIG.context} ({tokens} tokens), median of {steps}; "
+                f"PyTorch on {args.torch_threads} thread(s)",
+                ["candidate", "step", "tokens/s", "/ autodiff", "/ vjpkit", "/ A (A/A)", "peak RSS rise"], rows)
+    print("Ratios are medians of per-repeat ratios (paired); peak RSS rise: resident-set high-water mark "
+          "over 3 steps above the resting size.")
     for note in notes:
         print(note)
     print(f"load average after: {os.getloadavg()[0]:.1f}")

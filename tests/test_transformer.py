@@ -221,3 +221,19 @@ def test_data_parallel_run_over_two_devices_ends_at_the_single_device_loss(tiny_
     assert result.returncode == 0, result.stdout + result.stderr
     assert "data-parallel over 2 devices (cpu), 2 sequences each" in result.stdout
     np.testing.assert_allclose(val_losses(result.stdout), val_losses(tiny_run[0]), rtol=1e-4)
+
+
+def test_benchmark_pytorch_model_is_the_vjpkit_model(monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(EXAMPLES_DIR.parent / "benchmarks"))
+    import transformer as benchmark
+
+    config = TINY._replace(context=8, block=4)
+    loss_fn, params, tokens, targets = benchmark.torch_model(config)
+    loss = loss_fn(params, tokens, targets)
+    loss.backward()
+    jax_params = train_transformer.init_params(jax.random.key(0), config)
+    want, grads = jax.value_and_grad(train_transformer.loss_fn)(jax_params, tokens.numpy(), targets.numpy(), config)
+    np.testing.assert_allclose(loss.item(), want, rtol=1e-5)
+    for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(got.grad.numpy(), expected, rtol=1e-4, atol=1e-6)
