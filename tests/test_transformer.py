@@ -5,7 +5,8 @@ maths in plain ``jnp`` differentiated by JAX (gradients under ``jit``,
 ``vmap``, second order, attention's ``jvp``) and against its PyTorch
 original. One training step of examples/train_transformer.py equals plain
 autodiff's in float64, and the example itself runs (tiny flags), also
-data-parallel over two host devices in a subprocess.
+data-parallel over two host devices in a subprocess. The benchmark's PyTorch
+model computes the JAX model's loss and gradients.
 """
 
 import contextlib
