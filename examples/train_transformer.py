@@ -19,8 +19,8 @@ validation loss. At the end it prints text sampled from the model, writes the
 loss curve (``train_transformer_loss.png`` beside this script, or ``--plot``)
 and says whether the validation loss reached ``TARGET_VAL_LOSS``: 2.30 nats
 per character with the default flags (700 steps of 8 x 256 characters; a
-uniform guess is 4.85; 2.24 was measured), within 3 minutes on 2 CPU
-cores (its CPU time: about 0.16 s a step on each of 2 cores). The model is past the character statistics and writes
+uniform guess is 4.85; 2.24 was measured), within 3 minutes on 2 idle CPU
+cores (the whole run takes 3.75 minutes of CPU time). The model is past the character statistics and writes
 indentation, quotes and parentheses, not yet real words.
 
 ``--data-parallel`` shards each batch along its first axis over every device
