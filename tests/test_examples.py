@@ -10,8 +10,9 @@ time (they are independent, and most of each run is importing JAX), each
 with a timeout: `VJPKIT_EXAMPLE_TIMEOUT` seconds, 300 by default.
 
 The training examples are the exception (`RUN_BY_TEST_TRAINING`):
-tests/test_training.py runs their scripts and checks the numbers they print,
-so running them here too would only train the same models twice.
+tests/test_training.py (tests/test_transformer.py for the transformer) runs
+their scripts and checks the numbers they print, so running them here too
+would only train the same models twice.
 """
 
 import concurrent.futures
@@ -28,7 +29,9 @@ EXAMPLES_DIR = pathlib.Path(__file__).resolve().parent.parent / "examples"
 ALL_EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
 TIMEOUT_S = float(os.environ.get("VJPKIT_EXAMPLE_TIMEOUT", "300"))
 REQUIRES_LINE = re.compile(r"^#\s*requires:\s*(.+)$", re.MULTILINE)
-RUN_BY_TEST_TRAINING = {"train_mlp.py", "train_sharded.py", "equinox_module.py", "flax_nnx_module.py"}
+RUN_BY_TEST_TRAINING = {
+    "train_mlp.py", "train_sharded.py", "equinox_module.py", "flax_nnx_module.py", "train_transformer.py",
+}
 EXAMPLES = [p for p in ALL_EXAMPLES if p.name not in RUN_BY_TEST_TRAINING]
 
 
