@@ -83,7 +83,7 @@ class _Program(Program):
         eager ``jax.grad`` (backward sees tracers, as everywhere else).
         """
         body = _named(self._jit_body, self.spec.name)
-        return jax.jit(body), jax.jit(body, inline=True)
+        return jax.jit(body), jax.jit(body, inline=_jax_internals.INLINE_INTO_CALLER)
 
     def _jit_body(self, *arrays: Any) -> Any:
         packed = self.differentiable(*arrays)

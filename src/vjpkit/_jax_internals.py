@@ -285,6 +285,14 @@ else:
     enable_x64 = _require(_require_module("jax.experimental"), "enable_x64", "jax.experimental")
 
 
+# ``jax.jit(..., inline=...)`` that inlines into the caller's jaxpr while an
+# outer trace stages it: ``inline=True`` in JAX 0.4.38 to 0.10; from JAX 0.12
+# ``True`` means ``jax.Inline.JAX_LATE`` (a ``jit`` equation, inlined only when
+# lowered) and ``jax.Inline.JAX_EARLY`` inlines while tracing.
+_inline = getattr(jax, "Inline", None)
+INLINE_INTO_CALLER: Any = _inline.JAX_EARLY if _inline is not None else True
+
+
 # ---------------------------------------------------------------------------
 # A thread-local mode that is part of JAX's compile-cache keys.
 
