@@ -102,7 +102,7 @@ class _Program(Program):
                 "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
                 "jax.jacfwd)."
             )
-        if _jax_internals.forward_rule_called_for_forward_mode():
+        if _jax_internals.differentiation("custom_vjp fwd") in ("jvp", "linearize"):
             raise _no_forward_mode(spec)
         arrays = as_arrays([p.value for p in primals])  # eager runs pass weakly typed Python scalars
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
@@ -473,7 +473,8 @@ def _clear_function_caches() -> None:
 def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
     """A call on tracers (or of a ``jit = False`` class)."""
     spec = entry.program.spec
-    if spec.jvp is None and _jax_internals.linearizing():  # JAX may reuse a forward rule traced for reverse mode
+    # JAX may reuse a forward rule traced for reverse mode.
+    if spec.jvp is None and _jax_internals.differentiation("apply") == "linearize":
         raise _no_forward_mode(spec)
     if entry.jitted is None or _jax_internals.is_staging():
         # Under an outer jit (or scan, checkpoint, ...) the custom_vjp inlines
