@@ -180,7 +180,9 @@ def _user_line(e: BaseException) -> str:
     return f" At line {line} of {filename}" + (f": `{source}`" if source else ".")
 
 
-# -- JAX internals (to move into _jax_internals.py, which another change owns now) --
+# ---------------------------------------------------------------------------
+# Reading the class (for Spec).
+
 
 def _cache_size(name: str, value: Any) -> int:
     # At least one program: a cache that keeps none would drop the program it just made.
