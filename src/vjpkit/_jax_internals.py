@@ -14,14 +14,14 @@ Every private name used, by JAX subsystem (versions: those that need it):
 private name                                           JAX versions    public replacement
 =====================================================  ==============  ==========================================
 core.trace_ctx (the current trace)                     all             none
-core.get_aval                                          0.4.38          ``jax.typeof`` (0.5 on)
+core.get_aval                                          0.4.38 to 0.5.2 ``jax.typeof`` (0.5.3 on)
 core.ShardingTypeError                                 0.5 on          none
 core.no_axis_name, core.unmapped_aval                  all             none (vmap batching rules)
 partial_eval.DynamicJaxprTrace                         all             none
 partial_eval.JaxprTrace                                0.4.38 to 0.6   none (reverse mode without direct
                                                                        linearization)
-ad.LinearizeTrace, ad.linearize_from_jvp               0.5 on          none
-config.use_direct_linearize                            0.5 to 0.10     none (always on where absent)
+ad.JVPTrace, ad.LinearizeTrace, ad.linearize_from_jvp  all             none
+config.use_direct_linearize                            all             none (read as on where absent)
 config.config_ext, config.trace_context                all             none (``jax.config`` defines no states)
 effects.ordered_effects                                all             none
 pjit._pjit_transpose_trace (presence only)             0.4.38 to 0.7   none
@@ -109,7 +109,7 @@ _pjit = _require_module("jax._src.pjit")
 # ---------------------------------------------------------------------------
 # core: types of values.
 
-# ``jax.typeof`` from JAX 0.5; ``core.get_aval`` in JAX 0.4.38 (gone by 0.10).
+# ``jax.typeof`` from JAX 0.5.3; ``core.get_aval`` before (gone by 0.10).
 typeof: Callable[[Any], Any] = getattr(jax, "typeof", None) or _require(_core, "get_aval", "jax._src.core")
 
 
@@ -193,33 +193,33 @@ def is_staging() -> bool:
 # ``differentiation`` reads the callers' frames (and, for ``apply``, the
 # enclosing traces).
 
-if hasattr(_config, "use_direct_linearize"):  # JAX 0.5 to 0.10 (on by default from 0.7)
+if hasattr(_config, "use_direct_linearize"):  # every supported JAX (on by default from 0.7)
     _direct_linearize: Any = _config.use_direct_linearize
-else:  # JAX 0.4.38 (linearizes by JVP) and JAX 0.11 on (always directly)
-    _direct_linearize = types.SimpleNamespace(value=hasattr(_ad, "LinearizeTrace"))
+else:  # a JAX that dropped the flag linearizes directly, always
+    _direct_linearize = types.SimpleNamespace(value=True)
 
 _JaxprTrace = _require(_pe, "JaxprTrace", "jax._src.interpreters.partial_eval")
 _JVPTrace = _require(_ad, "JVPTrace", "jax._src.interpreters.ad")
-_LinearizeTrace = getattr(_ad, "LinearizeTrace", None)  # JAX 0.5 on
+_LinearizeTrace = _require(_ad, "LinearizeTrace", "jax._src.interpreters.ad")
 
 
-def _code(owner: Any, name: str) -> Any:
-    return getattr(getattr(owner, name, None), "__code__", None)
+def _code(owner: Any, name: str, where: str) -> Any:
+    return _require(owner, name, where).__code__
 
 
-_JVP_CUSTOM_VJP = _code(_JVPTrace, "process_custom_vjp_call")
-_JVP_CUSTOM_JVP = _code(_JVPTrace, "process_custom_jvp_call")
-_JVP_PRIMITIVE = _code(_JVPTrace, "process_primitive")
-_LINEARIZE_CUSTOM_VJP = _code(_LinearizeTrace, "process_custom_vjp_call")
-_LINEARIZE_CUSTOM_JVP = _code(_LinearizeTrace, "process_custom_jvp_call")
-_LINEARIZE_PRIMITIVE = _code(_LinearizeTrace, "process_primitive")
+_JVP_CUSTOM_VJP = _code(_JVPTrace, "process_custom_vjp_call", "jax._src.interpreters.ad.JVPTrace")
+_JVP_CUSTOM_JVP = _code(_JVPTrace, "process_custom_jvp_call", "jax._src.interpreters.ad.JVPTrace")
+_JVP_PRIMITIVE = _code(_JVPTrace, "process_primitive", "jax._src.interpreters.ad.JVPTrace")
+_LINEARIZE_CUSTOM_VJP = _code(_LinearizeTrace, "process_custom_vjp_call", "jax._src.interpreters.ad.LinearizeTrace")
+_LINEARIZE_CUSTOM_JVP = _code(_LinearizeTrace, "process_custom_jvp_call", "jax._src.interpreters.ad.LinearizeTrace")
+_LINEARIZE_PRIMITIVE = _code(_LinearizeTrace, "process_primitive", "jax._src.interpreters.ad.LinearizeTrace")
 # Reverse mode through a JVP: direct linearization of a primitive with no
 # linearize rule (``jax.checkpoint``'s ``remat_p``) runs its JVP here.
-_LINEARIZE_FROM_JVP = _code(_ad, "linearize_from_jvp")
+_LINEARIZE_FROM_JVP = _code(_ad, "linearize_from_jvp", "jax._src.interpreters.ad")
 
 # ``LinearizeTrace.is_vjp`` (JAX 0.9 on) tells ``jax.linearize`` from reverse
 # mode; JAX 0.7 and 0.8 cannot tell, and both count as reverse mode.
-LINEARIZE_IS_TOLD_FROM_VJP = _LinearizeTrace is not None and "is_vjp" in _LinearizeTrace.__init__.__code__.co_varnames
+LINEARIZE_IS_TOLD_FROM_VJP = "is_vjp" in _LinearizeTrace.__init__.__code__.co_varnames
 # Without direct linearization (before JAX 0.7) ``jax.jvp`` of a jitted
 # function that ``jax.grad`` already differentiated reuses reverse mode's
 # record of the call (made without tracing its jvp, so without its effects).
@@ -264,7 +264,7 @@ def differentiation(caller: str) -> str | None:
     """
     if caller == "apply":
         for trace in _enclosing_traces():
-            if _LinearizeTrace is not None and isinstance(trace, _LinearizeTrace):
+            if isinstance(trace, _LinearizeTrace):
                 return "vjp" if getattr(trace, "is_vjp", True) else "linearize"
         return None
     direct = _direct_linearize.value
