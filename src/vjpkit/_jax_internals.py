@@ -47,7 +47,7 @@ import inspect
 import itertools
 import sys
 import types
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 import jax
 
@@ -243,7 +243,7 @@ def _over_partial_eval(frame: Any) -> bool:
     return isinstance(getattr(frame.f_locals.get("self"), "parent_trace", None), _JaxprTrace)
 
 
-def differentiation(caller: str) -> str | None:
+def differentiation(caller: Literal["custom_vjp fwd", "custom_jvp rule", "apply"]) -> str | None:
     """How JAX is differentiating the call being made: ``"jvp"``, ``"linearize"``, ``"vjp"`` or None.
 
     ``caller`` says where the question is asked:
@@ -282,8 +282,7 @@ def differentiation(caller: str) -> str | None:
             if (frame.f_code is _JVP_CUSTOM_JVP or frame.f_code is _JVP_PRIMITIVE) and _over_partial_eval(frame):
                 return "vjp"
         return None
-    if caller != "custom_vjp fwd":
-        raise ValueError(f"unknown caller {caller!r}")
+    # A custom_vjp forward rule.
     if direct:
         jvp_frame = linearize_frame = None
         for frame in itertools.islice(callers, 32):  # the rule's caller is near
