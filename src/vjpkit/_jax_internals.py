@@ -53,7 +53,7 @@ import jax
 
 # The newest JAX that vjpkit's whole test suite passed with (the oldest is
 # pyproject.toml's floor, 0.4.38).
-NEWEST_TESTED_JAX = "0.10.2"
+NEWEST_TESTED_JAX = "0.12.0.1"
 
 # The running JAX's release, for cache keys only (a library compiled against
 # one JAX's FFI headers is rebuilt for another); vjpkit compares no versions.
