@@ -18,15 +18,16 @@ core.get_aval                                          0.4.38 to 0.5.2 ``jax.typ
 core.ShardingTypeError                                 0.5 on          none
 core.no_axis_name, core.unmapped_aval                  all             none (vmap batching rules)
 partial_eval.DynamicJaxprTrace                         all             none
-partial_eval.JaxprTrace                                0.4.38 to 0.6   none (reverse mode without direct
-                                                                       linearization)
+partial_eval.JaxprTrace                                0.4.38 to 0.6   none (and later JAX with
+                                                                       jax_use_direct_linearize off)
 ad.JVPTrace, ad.LinearizeTrace, ad.linearize_from_jvp  all             none
 config.use_direct_linearize                            all             none (read as on where absent)
-config.config_ext, config.trace_context                all             none (``jax.config`` defines no states)
+config.config_ext                                      all             none (``jax.config`` defines no states)
+config.trace_context (its code is replaced)            0.4.38 to 0.7   none
 effects.ordered_effects                                all             none
 pjit._pjit_transpose_trace (presence only)             0.4.38 to 0.7   none
-pjit.jit_p / pjit.pjit_p                               all             ``jax.extend.core.primitives`` (newer)
-ad_checkpoint.remat_p                                  all             ``jax.extend.core.primitives`` (newer)
+pjit.jit_p / pjit.pjit_p                               all             ``jax.extend.core.primitives`` (0.10
+ad_checkpoint.remat_p                                  all             has both; 0.4.38 neither)
 linear_util._get_result_paths_thunk (presence only)    0.5 to 0.7      none
 util.weakref_cache_key_types                           0.7 on          none
 api_util.debug_info, save_wrapped_fun_debug_info       0.7 on          none
