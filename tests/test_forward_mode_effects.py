@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import vjpkit
-from vjpkit._jax_internals import JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS, LINEARIZE_KEEPS_ORDERED_EFFECTS
+from vjpkit._jax_internals import JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS, LINEARIZE_IS_TOLD_FROM_VJP
 
 X = jnp.array([0.3, -1.2, 2.0])
 T = jnp.array([1.0, 0.5, -2.0])
@@ -172,7 +172,7 @@ def test_ordered_callback_in_jvp_runs_under_linearize_or_raises_naming_the_class
     events = []
     cls, record = recording_sin(events, ordered=True)
     _, f_jvp = jax.linearize(cls.apply, X)
-    if not LINEARIZE_KEEPS_ORDERED_EFFECTS:
+    if not LINEARIZE_IS_TOLD_FROM_VJP:
         with pytest.raises(TypeError, match=OLD_JAX_ERROR):
             jax.jit(f_jvp)(T)
         return

@@ -13,7 +13,8 @@ import pytest
 
 import vjpkit
 
-SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "vjpkit"
+# The package that runs (an installed wheel's, or a checkout's src/).
+SRC = pathlib.Path(vjpkit.__file__).resolve().parent
 
 
 def _import_vjpkit_after(setup: str) -> subprocess.CompletedProcess:
@@ -28,10 +29,10 @@ def _newest_tested_jax() -> str:
 
 
 def test_missing_internal_name_fails_import_naming_it_and_the_newest_tested_jax():
-    run = _import_vjpkit_after("import jax._src.core as core\ndel core.EvalTrace")
+    run = _import_vjpkit_after("import jax._src.core as core\ndel core.trace_ctx")
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: vjpkit needs jax._src.core.EvalTrace, which JAX ")
+    assert last.startswith("ImportError: vjpkit needs jax._src.core.trace_ctx, which JAX ")
     assert f"tested with JAX 0.4.38 to {_newest_tested_jax()}" in last
 
 
@@ -55,6 +56,15 @@ def test_only_the_internals_module_reaches_into_jax_src_or_reads_the_jax_version
     text = (SRC / path).read_text()
     assert not re.search(r"^\s*(from|import)\s+jax\._src", text, re.MULTILINE), path
     assert "__version__" not in text, path
+
+
+def test_every_private_jax_module_the_internals_module_uses_is_in_its_table():
+    text = (SRC / "_jax_internals.py").read_text()
+    table = vjpkit._jax_internals.__doc__
+    modules = set(re.findall(r'_require_module\("jax\._src\.(?:interpreters\.)?([a-z_]+)"\)', text))
+    assert modules, "no private module found: the test no longer reads the lookups"
+    for module in modules:
+        assert re.search(rf"^{module}\.\w+", table, re.MULTILINE), module
 
 
 class Linear(vjpkit.Function):

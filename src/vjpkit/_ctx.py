@@ -13,14 +13,13 @@ import warnings
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
-import numpy as np
 
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+from ._tree import ARRAY_TYPES
 
 
 def is_array(x: Any) -> bool:
     """Whether ``x`` is traced by vjpkit (a JAX or NumPy array, or a tracer)."""
-    return isinstance(x, _ARRAY_TYPES)
+    return isinstance(x, ARRAY_TYPES)
 
 
 class FunctionCtx:

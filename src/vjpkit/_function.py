@@ -84,7 +84,7 @@ class _Program(Program):
         eager ``jax.grad`` (backward sees tracers, as everywhere else).
         """
         body = _named(self._jit_body, self.spec.name)
-        return jax.jit(body), jax.jit(body, inline=True)
+        return jax.jit(body), jax.jit(body, inline=_jax_internals.INLINE_INTO_CALLER)
 
     def _jit_body(self, *arrays: Any) -> Any:
         packed = self.differentiable(*arrays)
@@ -103,7 +103,7 @@ class _Program(Program):
                 "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
                 "jax.jacfwd)."
             )
-        if _jax_internals.forward_rule_called_for_forward_mode():
+        if _jax_internals.differentiation("custom_vjp fwd") in ("jvp", "linearize"):
             raise _no_forward_mode(spec)
         arrays = as_arrays([p.value for p in primals])  # eager runs pass weakly typed Python scalars
         needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
@@ -505,7 +505,8 @@ def _clear_function_caches() -> None:
 def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
     """A call on tracers (or of a ``jit = False`` class)."""
     spec = entry.program.spec
-    if spec.jvp is None and _jax_internals.linearizing():  # JAX may reuse a forward rule traced for reverse mode
+    # JAX may reuse a forward rule traced for reverse mode.
+    if spec.jvp is None and _jax_internals.differentiation("apply") == "linearize":
         raise _no_forward_mode(spec)
     if entry.jitted is None or _jax_internals.is_staging():
         # Under an outer jit (or scan, checkpoint, ...) the custom_vjp inlines
@@ -516,7 +517,7 @@ def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
 
 def _run_unjitted(entry: _Entry, *arrays: Any) -> Any:
     """A call whose static arguments hold a tracer of an enclosing transformation."""
-    if entry.program.spec.jvp is None and _jax_internals.linearizing():
+    if entry.program.spec.jvp is None and _jax_internals.differentiation("apply") == "linearize":
         raise _no_forward_mode(entry.program.spec)
     return entry.program.differentiable(*map(as_jax_leaf, arrays))
 

@@ -36,7 +36,7 @@ class _LinearCallPrimitive(Primitive):
     """
 
     def bind(self, *args: Any, **params: Any) -> Any:
-        params["recorded"] = _jax_internals.linearizing_for_reverse_mode()
+        params["recorded"] = _jax_internals.differentiation("custom_jvp rule") == "vjp"
         return super().bind(*args, **params)
 
 
@@ -90,7 +90,7 @@ def _flat_rule(apply: Callable, num_res: int, out_avals: Sequence[Any]) -> Calla
         res, lin = _split(args, num_res)
         outs = list(apply(res, lin))
         for k, (out, aval) in enumerate(zip(outs, out_avals, strict=True)):
-            missing = _jax_internals.aval_varying_axes(aval) - _jax_internals.varying_axes(out)
+            missing = _jax_internals.varying_axes_of_type(aval) - _jax_internals.varying_axes(out)
             if missing:
                 outs[k] = _jax_internals.cast_to_varying(out, tuple(sorted(missing, key=str)))
         return outs

@@ -278,13 +278,13 @@ def _fit_varying(g: Any, varying: frozenset) -> Any:
     return g
 
 
-def _fit_dtype(owner: str, method: str, at: object, g: Any, dtype: Any) -> Any:
-    """Casts a gradient to the input's dtype; complex for a real input raises."""
+def _fit_dtype(owner: str, method: str, at: object, g: Any, dtype: Any, what: str = "gradient") -> Any:
+    """Casts a gradient (or a jvp's tangent) to its primal's dtype; complex for a real primal raises."""
     if g.dtype == dtype:
         return g
     if jnp.issubdtype(g.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
         raise TypeError(
-            f"{owner}.{method} returned a complex gradient ({g.dtype}) for {at}, "
+            f"{owner}.{method} returned a complex {what} ({g.dtype}) for {at}, "
             f"which is real ({dtype}): expected dtype {dtype}. Take the real part "
             "explicitly if that is what you mean."
         )

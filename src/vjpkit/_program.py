@@ -187,7 +187,9 @@ def _user_line(e: BaseException) -> str:
     return f" At line {line} of {filename}" + (f": `{source}`" if source else ".")
 
 
-# -- JAX internals (to move into _jax_internals.py, which another change owns now) --
+# ---------------------------------------------------------------------------
+# Reading the class (for Spec).
+
 
 def _cache_size(name: str, value: Any) -> int:
     # At least one program: a cache that keeps none would drop the program it just made.
@@ -407,9 +409,9 @@ class Program:
         """Per leaf of the bound arguments: None (static) or the array's type."""
         kinds = []
         for x in arrays:
-            aval = _jax_internals.aval_of(x)  # read once for all four
+            aval = _jax_internals.typeof(x)  # read once for all four
             kinds.append((
-                tuple(aval.shape), aval.dtype, _jax_internals.aval_varying_axes(aval),
+                tuple(aval.shape), aval.dtype, _jax_internals.varying_axes_of_type(aval),
                 _sharding.explicit_sharding_of_type(aval),
             ))
         return tuple(self.layout.leaves(kinds, keep_static=False))

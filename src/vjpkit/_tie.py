@@ -37,7 +37,7 @@ from . import _anomaly, _jax_internals, _sharding
 from ._ctx import _short_repr, is_array, rule_ctx
 from ._jax_internals import Primitive, ad, batching, mlir
 from ._linear_call import linear_call
-from ._outputs import Packed, is_differentiable_dtype
+from ._outputs import Packed, _fit_dtype, is_differentiable_dtype
 from ._program import Program, ResidualMeta, Residuals, as_arrays, run_user_method
 
 
@@ -199,13 +199,7 @@ class OwnDerivative:
                     f"{name}.jvp returned a tangent of shape {tuple(t.shape)} for "
                     f"output {j}: expected shape {shape}."
                 )
-            if jnp.issubdtype(t.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
-                raise TypeError(
-                    f"{name}.jvp returned a complex tangent ({t.dtype}) for output {j}, "
-                    f"which is real ({dtype}): expected dtype {dtype}. Take the real part "
-                    "explicitly if that is what you mean."
-                )
-            tangents.append(t if t.dtype == dtype else t.astype(dtype))
+            tangents.append(_fit_dtype(name, "jvp", f"output {j}", t, dtype, what="tangent"))
         return tangents
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import numpy as np
 
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)  # what vjpkit traces: JAX or NumPy arrays, tracers
 
 
 class _ById:
@@ -98,7 +98,7 @@ def _fingerprint(root: Any, value: Any, path: str, open_ids: set) -> Any:
     kind = type(value)
     if kind is float or kind is complex:
         return _number_key(value)
-    if isinstance(value, _ARRAY_TYPES):
+    if isinstance(value, ARRAY_TYPES):
         raise Unkeyable(root, path, value, "array")
     if id(value) in open_ids:
         raise Unkeyable(root, path, value, "cycle")

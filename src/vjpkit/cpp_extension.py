@@ -92,6 +92,7 @@ from typing import Any, Sequence
 import jax
 
 from . import _jax_internals
+from ._host import VMAP_METHODS
 
 __all__ = ["BuildError", "Extension", "FfiKernel", "default_build_directory", "load_inline"]
 
@@ -99,7 +100,6 @@ _SOURCE_PREFIX = '#include "xla/ffi/api/ffi.h"\n#line 1 "<cpp_source>"\n'
 _CXX_FLAGS = ("-std=c++17", "-O2")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HANDLER_SYMBOL = re.compile(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)")
-_VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
 _COMPILERS = ("c++", "g++", "clang++")  # tried in this order when $CXX is not set
 
 # One build at a time in this process (other processes: see _Compiler.build).
@@ -397,8 +397,8 @@ def _check_identifier(what: str, value: Any) -> None:
 
 
 def _checked_vmap_method(vmap_method: str) -> str:
-    if vmap_method not in _VMAP_METHODS:
-        raise ValueError(f"vmap_method must be one of {list(_VMAP_METHODS)}, got {vmap_method!r}")
+    if vmap_method not in VMAP_METHODS:
+        raise ValueError(f"vmap_method must be one of {list(VMAP_METHODS)}, got {vmap_method!r}")
     return vmap_method
 
 
