@@ -21,6 +21,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
+
 # JAX compiles on first use of a program: per-example times vary by orders of
 # magnitude, which is not slowness of the data generation.
 _JAX = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -32,6 +34,17 @@ settings.load_profile(PROFILE)
 
 THOROUGH_ONLY = "thorough profile only: runs with VJPKIT_HYPOTHESIS_PROFILE=thorough"
 ALLOWED_SKIPS_IN_CI = (THOROUGH_ONLY, "this JAX lacks")
+
+
+@pytest.fixture
+def x64():
+    """64-bit floats for one test: tight tolerances need them.
+
+    The switch is thread-local and undone after the test, so it never leaks
+    into another test (or another file's default float32).
+    """
+    with enable_x64(True):
+        yield
 
 
 def pytest_configure(config):

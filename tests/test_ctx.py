@@ -2,9 +2,10 @@
 needs_input_grad, attributes, set_materialize_grads, mark_non_differentiable,
 mark_dirty, the setup_context style, and once_differentiable backwards.
 
-Each test defines its own Function class: forward and backward run while JAX
+A test that keeps trace-time records (lists appended to from forward or
+backward) defines its own Function class: forward and backward run while JAX
 traces, once per compiled signature, so a fresh class is what makes the
-trace-time records below (lists appended to from forward/backward) exact.
+records exact.
 Expected gradients are written out or come from `jax.grad` of the same math
 in plain `jnp`.
 """
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Mul  # saves both factors
 
 import vjpkit
 
@@ -29,17 +31,6 @@ ZEROS = jnp.zeros(3)
 
 
 def test_saved_tensors_returns_what_forward_saved():
-    class Mul(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            ctx.save_for_backward(x, w)
-            return x * w
-
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g * w, g * x
-
     gx, gw = jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=(0, 1))(X, W)
     chex.assert_trees_all_close((gx, gw), (W, X))
 
