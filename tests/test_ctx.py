@@ -71,8 +71,9 @@ def test_save_for_backward_last_call_wins():
     chex.assert_trees_all_close(jax.grad(lambda x: Square.apply(x).sum())(X), 2 * X)
 
 
-def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
-    # PyTorch's old name, still accepted there (with this warning) and common in ported code.
+def _square_reading_saved_variables():
+    """A fresh class each time: the warning comes while JAX traces, once per class and signature."""
+
     class Square(vjpkit.Function):
         @staticmethod
         def forward(ctx, x):
@@ -84,6 +85,12 @@ def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
             (x,) = ctx.saved_variables
             return 2 * x * g
 
+    return Square
+
+
+def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
+    # PyTorch's old name, still accepted there (with this warning) and common in ported code.
+    Square = _square_reading_saved_variables()
     message = "Square.backward: 'saved_variables' is deprecated; use 'saved_tensors'"
     with pytest.warns(DeprecationWarning, match=re.escape(message)):
         got = jax.grad(lambda x: Square.apply(x).sum())(X)
@@ -91,17 +98,7 @@ def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
 
 
 def test_saved_variables_warning_points_at_the_users_line():
-    class Square(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_variables
-            return 2 * x * g
-
+    Square = _square_reading_saved_variables()
     with pytest.warns(DeprecationWarning, match="saved_variables") as record:
         jax.grad(lambda x: Square.apply(x).sum())(X)
     assert record[0].filename == __file__
