@@ -1,7 +1,7 @@
 """Functions the gradcheck, testing and CLI tests check (importable as ``gc_functions``)."""
 
 import numpy as np
-from functions import Exp  # noqa: F401  (the command line test checks gc_functions:Exp)
+from functions import Exp  # noqa: F401  (re-exported: the gradcheck, testing and CLI tests use gc_functions.Exp)
 
 import vjpkit
 
