@@ -1,5 +1,6 @@
 """Shared pytest configuration: hypothesis profiles, the thorough-only tests,
-and CI's rule that no test may skip.
+CI's rule that no test may skip, and two fixtures: ``x64`` (64-bit floats for
+one test) and ``run_script`` (a script of tests/scripts/ on several devices).
 
 ``default`` keeps the property-based tests (tests/test_properties.py) within
 CI's time budget: a fixed number of derandomized examples, so CI runs are
@@ -16,10 +17,16 @@ their reason's first words (``ALLOWED_SKIPS_IN_CI``): the thorough-only tests,
 and features that an older JAX lacks (the floor-JAX run).
 """
 
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 
 # JAX compiles on first use of a program: per-example times vary by orders of
 # magnitude, which is not slowness of the data generation.
@@ -32,6 +39,39 @@ settings.load_profile(PROFILE)
 
 THOROUGH_ONLY = "thorough profile only: runs with VJPKIT_HYPOTHESIS_PROFILE=thorough"
 ALLOWED_SKIPS_IN_CI = (THOROUGH_ONLY, "this JAX lacks")
+
+
+@pytest.fixture
+def x64():
+    """64-bit floats for one test: tight tolerances need them.
+
+    The switch is thread-local and undone after the test, so it never leaks
+    into another test (or another file's default float32).
+    """
+    with enable_x64(True):
+        yield
+
+
+SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+
+
+@pytest.fixture(scope="session")
+def run_script():
+    """Runs ``tests/scripts/NAME`` on DEVICES host CPU devices and returns the JSON it prints.
+
+    The device count is fixed when JAX starts and a pytest process has one
+    CPU device, so a multi-device check runs once in a subprocess (from a
+    module-scoped fixture) and each test checks one of its cases.
+    """
+
+    def run(name, devices, timeout=300):
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, str(SCRIPTS / name)], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
+        return json.loads(done.stdout)
+
+    return run
 
 
 def pytest_configure(config):

@@ -2,9 +2,10 @@
 needs_input_grad, attributes, set_materialize_grads, mark_non_differentiable,
 mark_dirty, the setup_context style, and once_differentiable backwards.
 
-Each test defines its own Function class: forward and backward run while JAX
+A test that keeps trace-time records (lists appended to from forward or
+backward) defines its own Function class: forward and backward run while JAX
 traces, once per compiled signature, so a fresh class is what makes the
-trace-time records below (lists appended to from forward/backward) exact.
+records exact.
 Expected gradients are written out or come from `jax.grad` of the same math
 in plain `jnp`.
 """
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Mul  # saves both factors
 
 import vjpkit
 
@@ -29,17 +31,6 @@ ZEROS = jnp.zeros(3)
 
 
 def test_saved_tensors_returns_what_forward_saved():
-    class Mul(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            ctx.save_for_backward(x, w)
-            return x * w
-
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g * w, g * x
-
     gx, gw = jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=(0, 1))(X, W)
     chex.assert_trees_all_close((gx, gw), (W, X))
 
@@ -80,8 +71,9 @@ def test_save_for_backward_last_call_wins():
     chex.assert_trees_all_close(jax.grad(lambda x: Square.apply(x).sum())(X), 2 * X)
 
 
-def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
-    # PyTorch's old name, still accepted there (with this warning) and common in ported code.
+def _square_reading_saved_variables():
+    """A fresh class each time: the warning comes while JAX traces, once per class and signature."""
+
     class Square(vjpkit.Function):
         @staticmethod
         def forward(ctx, x):
@@ -93,6 +85,12 @@ def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
             (x,) = ctx.saved_variables
             return 2 * x * g
 
+    return Square
+
+
+def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
+    # PyTorch's old name, still accepted there (with this warning) and common in ported code.
+    Square = _square_reading_saved_variables()
     message = "Square.backward: 'saved_variables' is deprecated; use 'saved_tensors'"
     with pytest.warns(DeprecationWarning, match=re.escape(message)):
         got = jax.grad(lambda x: Square.apply(x).sum())(X)
@@ -100,17 +98,7 @@ def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
 
 
 def test_saved_variables_warning_points_at_the_users_line():
-    class Square(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_variables
-            return 2 * x * g
-
+    Square = _square_reading_saved_variables()
     with pytest.warns(DeprecationWarning, match="saved_variables") as record:
         jax.grad(lambda x: Square.apply(x).sum())(X)
     assert record[0].filename == __file__

@@ -11,48 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import ExpWithJvp, SinJvpOnly, SinWithJvp
 
 import vjpkit
 
 # ---------------------------------------------------------------------------
 # Functions with both rules, each paired with its plain-jnp reference.
-
-
-class Sin(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        ctx.save_for_forward(x)
-        return jnp.sin(x)
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return jnp.cos(x) * t
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return jnp.cos(x) * g
-
-
-class Exp(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.exp(x)
-        ctx.save_for_backward(y)
-        ctx.save_for_forward(y)
-        return y
-
-    @staticmethod
-    def jvp(ctx, t):
-        (y,) = ctx.saved_tensors
-        return y * t
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return y * g
 
 
 class Linear(vjpkit.Function):
@@ -97,8 +61,8 @@ B = jnp.array([0.05, -0.1])
 
 # name -> (vjpkit function of x, plain-jnp function of x)
 CASES = {
-    "sin": (Sin.apply, jnp.sin),
-    "exp": (Exp.apply, jnp.exp),
+    "sin": (SinWithJvp.apply, jnp.sin),
+    "exp": (ExpWithJvp.apply, jnp.exp),
     "linear": (lambda x: Linear.apply(x, W, B), lambda x: x @ W.T + B),
     "softmax": (Softmax.apply, lambda x: jax.nn.softmax(x, axis=-1)),
 }
@@ -326,18 +290,6 @@ def test_tuple_output_gets_one_tangent_per_element():
 
 # ---------------------------------------------------------------------------
 # jvp only: reverse mode by transposing the jvp.
-
-
-class SinJvpOnly(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_forward(x)
-        return jnp.sin(x)
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return jnp.cos(x) * t
 
 
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "hessian", "vmap(grad)", "jacrev(jacfwd)"])

@@ -3,20 +3,12 @@
 shard_map types each array by the mesh axes it varies along (``check_vma``,
 on by default); a tangent or cotangent must have its primal's type. The
 device count is fixed when JAX starts and this pytest process has one CPU
-device, so `sharded_forward_mode_script.py` runs once in a subprocess with
+device, so `scripts/sharded_forward_mode_script.py` runs once in a subprocess with
 4 host devices; each test below checks one of its cases.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import pytest
-
-SCRIPT = pathlib.Path(__file__).with_name("sharded_forward_mode_script.py")
 
 TRANSFORMS = [
     "jvp_of_shard_map",
@@ -36,11 +28,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"sharded_forward_mode_script.py failed:\n{run.stdout}\n{run.stderr}"
-    return json.loads(run.stdout)
+def results(run_script):
+    return run_script("sharded_forward_mode_script.py", devices=4)
 
 
 def test_script_runs_every_case(results):

@@ -20,16 +20,11 @@ import numpy as np
 import pytest
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 
 X = np.array([0.3, -0.7, 1.1])
 
-
-@pytest.fixture(autouse=True)
-def float64():
-    # Tight tolerances need float64; the setting must not leak into other test files.
-    with enable_x64(True):
-        yield
+# Tight tolerances need float64 (the conftest's x64 fixture keeps it to each test).
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 def close(a, b):

@@ -1,6 +1,6 @@
 """vjpkit Functions across processes: 2 local processes x 2 CPU devices, JAX's own runtime.
 
-`multiprocess_script.py` runs once as a single process with 4 devices (it
+`scripts/multiprocess_script.py` runs once as a single process with 4 devices (it
 exports the sharded train step), then as the 2 processes of one
 `jax.distributed` run on 127.0.0.1 (gloo collectives); each process writes
 its results to a JSON file. The processes are this test's own children,
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).with_name("multiprocess_script.py")
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "multiprocess_script.py"
 PROCESSES = 2
 DEVICES_PER_PROCESS = 2
 TIMEOUT_S = 300

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Exp, Mul, Scale, Sin, SinWithJvp  # sin, exp, a broadcasting product, a static scale
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -43,35 +44,6 @@ from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older hom
 
 # ---------------------------------------------------------------------------
 # The Functions, each with a known derivative.
-
-
-class Sin(vjpkit.Function):
-    """Saves its input."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return jnp.sin(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * jnp.cos(x)
-
-
-class Exp(vjpkit.Function):
-    """Saves its output."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.exp(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y
 
 
 class StoppedExp(vjpkit.Function):
@@ -100,33 +72,6 @@ class Square(vjpkit.Function):
     @staticmethod
     def backward(ctx, g):
         return 2 * ctx.x * g
-
-
-class Mul(vjpkit.Function):
-    """Broadcasting product: backward returns output-shaped gradients, summed down by vjpkit."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, g * x
-
-
-class Scale(vjpkit.Function):
-    """A static scalar (keyword or positional), part of the compile-cache key."""
-
-    @staticmethod
-    def forward(ctx, x, c=2.0):
-        ctx.c = c
-        return c * x
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.c * g, None
 
 
 class Affine(vjpkit.Function):
@@ -204,26 +149,6 @@ class Sum(vjpkit.Function):
         if ctx.axis is not None:
             g = jnp.expand_dims(g, ctx.axis)
         return jnp.broadcast_to(g, ctx.shape), None
-
-
-class SinJ(vjpkit.Function):
-    """Forward mode and reverse mode, each with its own rule."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        ctx.save_for_forward(x)
-        return jnp.sin(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * jnp.cos(x)
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return t * jnp.cos(x)
 
 
 class CubeJ(vjpkit.Function):
@@ -343,7 +268,7 @@ def run_stage(stage: Stage, h: Any, extra: list, ints: list, lib: dict) -> Any:
 LIBRARY = {
     "sin": Sin, "exp": Exp, "square": Square, "mul": Mul, "scale": Scale,
     "affine": Affine, "tree": Tree, "take": Take, "matvec": MatVec, "sum": Sum,
-    "sinj": SinJ, "cubej": CubeJ, "mulj": MulJ, "stoppedexp": StoppedExp, "stoppedexpj": StoppedExpJ,
+    "sinj": SinWithJvp, "cubej": CubeJ, "mulj": MulJ, "stoppedexp": StoppedExp, "stoppedexpj": StoppedExpJ,
 }
 
 

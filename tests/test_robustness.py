@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import make_mul
 
 import vjpkit
 from vjpkit._function import _Program
@@ -36,18 +37,7 @@ def _functions():
             (y,) = ctx.saved_tensors
             return g * y, None
 
-    class Mul(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            ctx.save_for_backward(x, w)
-            return x * w
-
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g * w, g * x
-
-    return Exp, Mul
+    return Exp, make_mul()
 
 
 def _jobs(Exp, Mul):

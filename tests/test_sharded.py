@@ -2,20 +2,12 @@
 results.
 
 The device count is fixed when JAX starts, and this pytest process has one
-CPU device, so `sharded_script.py` runs once in a subprocess with
+CPU device, so `scripts/sharded_script.py` runs once in a subprocess with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8`; each test below checks
 one of its cases.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
-
-SCRIPT = pathlib.Path(__file__).with_name("sharded_script.py")
 
 CASES = [
     "sharded_jit_forward",  # batch split over 8 devices, params replicated
@@ -32,17 +24,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-    )
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, f"sharded_script.py failed:\n{run.stdout}\n{run.stderr}"
-    return json.loads(run.stdout)
+def results(run_script):
+    return run_script("sharded_script.py", devices=8)
 
 
 def test_script_runs_every_case(results):

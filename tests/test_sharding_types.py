@@ -1,21 +1,13 @@
 """Functions where an array's type carries its sharding: inside `shard_map`, and under Explicit mesh axes.
 
 The device count is fixed when JAX starts and this pytest process has one
-CPU device, so `sharding_types_script.py` runs once in a subprocess with
+CPU device, so `scripts/sharding_types_script.py` runs once in a subprocess with
 `XLA_FLAGS=--xla_force_host_platform_device_count=4`; each test below
 checks one of its cases. A case needing a feature that this JAX lacks
 (Explicit axes came after JAX 0.4.38) is skipped, saying so.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
-
-SCRIPT = pathlib.Path(__file__).with_name("sharding_types_script.py")
 
 CASES = [
     # host=True Functions inside shard_map equal autodiff (the callback's
@@ -39,11 +31,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"sharding_types_script.py failed:\n{run.stdout}\n{run.stderr}"
-    return json.loads(run.stdout)
+def results(run_script):
+    return run_script("sharding_types_script.py", devices=4)
 
 
 def test_script_runs_every_case(results):

@@ -2,7 +2,7 @@
 
 Run by `test_sharding_types.py` in a subprocess with 4 host devices:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/sharding_types_script.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/scripts/sharding_types_script.py
 
 Prints one JSON object: for each case, null when it passed, {"skip": reason}
 when this JAX lacks the feature, otherwise the error text. Expected values
@@ -18,7 +18,7 @@ import traceback
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

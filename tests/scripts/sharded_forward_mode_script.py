@@ -3,7 +3,7 @@
 Run by `test_forward_mode_sharded.py` in a subprocess, because the device
 count is fixed when JAX starts:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/sharded_forward_mode_script.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/scripts/sharded_forward_mode_script.py
 
 shard_map checks its types (the default ``check_vma=True``): the input
 varies across devices, a parameter is replicated. Prints one JSON object:

@@ -7,7 +7,7 @@ writes one JSON file into `--out`: for each case, null when it passed,
 {"skip": reason} when this JAX lacks the feature, otherwise the error text;
 and the figures it measured.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multiprocess_script.py --single --out DIR
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/scripts/multiprocess_script.py --single --out DIR
 """
 
 import argparse
@@ -19,7 +19,7 @@ import re
 import sys
 import traceback
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import jax  # noqa: E402

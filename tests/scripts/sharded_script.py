@@ -3,7 +3,7 @@
 Run by `test_sharded.py` in a subprocess, because the device count is fixed
 when JAX starts:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharded_script.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/scripts/sharded_script.py
 
 Prints one JSON object: for each case, null when the sharded result matched
 the single-device one, otherwise the error text.
