@@ -121,6 +121,17 @@ class _TracedRule:
         return f"<traced {self.name}>"
 
 
+class _DerivingRules:
+    """Whether a rule runs to take its derivative along moving residuals (a higher order), not for its value."""
+
+    active = 0
+
+
+def deriving_rule() -> bool:
+    """True while ``linear_call``'s JVP runs a rule under ``jax.jvp`` (a derivative of second order or more)."""
+    return _DerivingRules.active > 0
+
+
 def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced, recorded):
     res, lin = _split(args, num_res)
     return list(apply(res, lin))
@@ -196,13 +207,15 @@ def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, nam
     in_avals = tuple(x.aval for x in lin)
     zero = tuple(type(ct) is ad.Zero for ct in cts)
     cts = [ad.instantiate_zeros(ct) for ct in cts]
+    # A transpose rule may name its own transpose (vjpkit: backward's is backward transposed by JAX).
+    transposed = getattr(transpose, "transposed", apply)
     if transpose is None:
         transpose = _transpose_by_jax(apply, name, in_avals)
     elif any(zero) and getattr(transpose, "takes_symbolic_zeros", False):
         # The rule wants to know which cotangents JAX knows are zero (vjpkit:
         # backward sees None for them when materialization is off).
         transpose = _with_zeros_as_none(transpose, zero)
-    cts_in = linear_call(res, cts, apply=transpose, transpose=apply, out_avals=in_avals, name=name)
+    cts_in = linear_call(res, cts, apply=transpose, transpose=transposed, out_avals=in_avals, name=name)
     return [None] * num_res + list(cts_in)
 
 
@@ -239,9 +252,13 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
             full[i] = value
         return rule(*full)
 
-    out, tangent_out = jax.jvp(
-        along_moving, [primals[i] for i in moving], [tangents[i] for i in moving]
-    )
+    _DerivingRules.active += 1
+    try:
+        out, tangent_out = jax.jvp(
+            along_moving, [primals[i] for i in moving], [tangents[i] for i in moving]
+        )
+    finally:
+        _DerivingRules.active -= 1
     return list(out), list(tangent_out)
 
 
@@ -284,5 +301,8 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
 
 
 ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
+# JAX's caches keyed by equation parameters must not keep a rule (and the
+# program it runs) alive after the jaxprs holding the call are gone.
+_jax_internals.hold_weakly_in_caches(_TracedRule)
 ad.primitive_transposes[_linear_call_p] = _linear_call_transpose
 batching.fancy_primitive_batchers[_linear_call_p] = _linear_call_batch

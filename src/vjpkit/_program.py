@@ -94,6 +94,27 @@ class Spec:
         )
 
 
+def no_forward_mode(spec: Spec) -> TypeError:
+    """The error for forward mode (jax.jvp, jax.jacfwd, jax.linearize) of a class without jvp."""
+    return TypeError(
+        f"{spec.name} has no forward-mode derivative (jax.jvp, jax.jacfwd, "
+        f"jax.linearize): it defines backward but no jvp. Add a "
+        f"jvp(ctx, *tangents) staticmethod to {spec.name}, or use reverse "
+        "mode (jax.grad, jax.vjp, jax.jacrev)."
+    )
+
+
+def not_differentiable(spec: Spec) -> TypeError:
+    """The error for differentiating a class with neither backward nor jvp."""
+    return TypeError(
+        f"{spec.name} cannot be differentiated: it defines no backward "
+        f"(and no jvp). Add a backward(ctx, *grad_outputs) staticmethod to "
+        f"{spec.name} for reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
+        "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
+        "jax.jacfwd)."
+    )
+
+
 def _leaf_path(tree: Any, position: int) -> str:
     """The key path of the leaf at ``position`` in ``tree``'s flattening."""
     return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][position][0])

@@ -36,9 +36,9 @@ from jax.custom_derivatives import SymbolicZero
 from . import _anomaly, _jax_internals, _sharding
 from ._ctx import _short_repr, is_array, rule_ctx
 from ._jax_internals import Primitive, ad, batching, mlir
-from ._linear_call import linear_call
+from ._linear_call import deriving_rule, linear_call
 from ._outputs import Packed, is_differentiable_dtype
-from ._program import Program, ResidualMeta, Residuals, as_arrays, run_user_method
+from ._program import Program, ResidualMeta, Residuals, as_arrays, no_forward_mode, run_user_method
 
 
 class OwnDerivative:
@@ -46,9 +46,12 @@ class OwnDerivative:
 
     ``linear`` lists the input leaves whose tangents are the linear inputs;
     the tangents computed are those of the differentiable outputs.
+    ``first_order``: the Function's own rule, not a tie's; evaluating it
+    is forward mode, which a class without ``jvp`` does not have.
     """
 
-    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_avals: list, linear: list):
+    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_avals: list, linear: list,
+                 first_order: bool = False):
         self.program = program
         self.spec = program.spec
         self.name = program.spec.name
@@ -57,6 +60,7 @@ class OwnDerivative:
         self.in_avals = in_avals
         self.linear = linear
         self.outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
+        self.first_order = first_order
 
     def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any]) -> list:
         """One tangent per differentiable output (of types ``out_types``), as a ``linear_call``.
@@ -75,10 +79,16 @@ class OwnDerivative:
             return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), gradient_shardings)
 
         backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
+        if spec.jvp is not None:
+            apply = self.apply_jvp
+        else:
+            apply = self.apply_forward_mode if self.first_order else self.apply_transposed_backward
+            # Transposing backward again (a second reverse derivative) gives backward transposed, not an error.
+            backward_rule.transposed = self.apply_transposed_backward  # type: ignore[attr-defined]
         return linear_call(
             tuple(residuals),
             list(linear_tangents),
-            apply=self.apply_jvp if spec.jvp is not None else self.apply_transposed_backward,
+            apply=apply,
             transpose=backward_rule if spec.backward is not None else None,
             out_avals=out_types,
             name=self.name,
@@ -122,6 +132,16 @@ class OwnDerivative:
             jnp.zeros(*self.in_avals[d]) if per_leaf[d] is None else per_leaf[d]
             for d in self.linear
         ]
+
+    def apply_forward_mode(self, residuals: tuple, linear: tuple) -> list:
+        """The first-order rule of a class without jvp: forward mode raises; a higher derivative transposes backward.
+
+        Why here and not only in the custom_jvp rule: ``jax.jvp`` after
+        ``jax.grad`` of a jitted program reuses the rule JAX traced for grad.
+        """
+        if not deriving_rule():
+            raise no_forward_mode(self.spec)
+        return self.apply_transposed_backward(residuals, linear)
 
     def apply_transposed_backward(self, residuals: tuple, linear: tuple) -> list:
         """Output tangents from input tangents, for a class without jvp: backward, transposed by JAX."""
