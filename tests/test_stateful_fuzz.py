@@ -474,8 +474,6 @@ TestCallSequence = CallSequence.TestCase
 # ---------------------------------------------------------------------------
 # The sequences outside testing found, as plain regression tests.
 
-KNOWN_BUG = pytest.mark.xfail(strict=True, reason="fixed in the next commits")
-
 X = np.array([0.5, -1.0])  # NumPy: float64 once the fixture turns x64 on
 W = np.array([1.5, 0.3])
 
@@ -568,7 +566,6 @@ def _zeros_with_jvp():
     return Zeros, zeros
 
 
-@KNOWN_BUG
 def test_output_not_depending_on_the_batch_is_differentiated_once_per_example():
     Zeros, zeros = _zeros_with_jvp()
     x = jnp.arange(3.0)
@@ -577,7 +574,6 @@ def test_output_not_depending_on_the_batch_is_differentiated_once_per_example():
     close(expected, jnp.ones(3))
 
 
-@KNOWN_BUG
 def test_jvp_of_vmap_of_an_output_not_depending_on_the_batch_keeps_its_shape():
     Zeros, zeros = _zeros_with_jvp()
     x, t = jnp.arange(3.0), jnp.ones(3)
@@ -602,7 +598,6 @@ def _twice_y():
     return TwiceY, twice_y
 
 
-@KNOWN_BUG
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_unbatched_output_of_vmap_with_out_axes_none_differentiates_like_custom_vjp(jit):
     TwiceY, twice_y = _twice_y()
@@ -616,7 +611,6 @@ def test_unbatched_output_of_vmap_with_out_axes_none_differentiates_like_custom_
     close(loss(twice_y)(y), jnp.array([2.0]))
 
 
-@KNOWN_BUG
 def test_vjp_of_vmap_with_out_axes_none_keeps_the_unbatched_primal():
     TwiceY, twice_y = _twice_y()
     xs, y = jnp.arange(5.0).reshape(5, 1), jnp.ones(1)

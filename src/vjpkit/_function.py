@@ -426,9 +426,10 @@ def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
     spec = entry.program.spec
     if spec.jvp is None and _jax_internals.linearizing():  # JAX may reuse a forward rule traced for reverse mode
         raise no_forward_mode(spec)
-    if entry.jitted is None or _jax_internals.is_staging():
-        # Under an outer jit (or scan, checkpoint, ...) the custom_vjp inlines
-        # into the caller's program; jit=False runs op by op.
+    if entry.jitted is None or _jax_internals.is_staging() or _jax_internals.is_batching():
+        # Under an outer jit (or scan, checkpoint, ...) the custom_jvp inlines
+        # into the caller's program; jit=False runs op by op. Under vmap, JAX
+        # batches it as a plain custom_jvp (outputs batched as its rule says).
         return entry.program.differentiable(*map(as_jax_leaf, arrays))
     return entry.jitted(*arrays)
 

@@ -660,3 +660,41 @@ def save_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
     if _DEBUG_INFO_CAN_BE_SAVED:
         leaf = _Leaf()
         _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaf,) * n_args, {}))
+
+
+# ---------------------------------------------------------------------------
+# core-eager: whether a batching rule's bind is differentiated on the spot (_tie.py).
+
+
+def differentiating_here() -> bool:
+    """Whether the current trace is a ``JVPTrace`` or ``LinearizeTrace`` (it differentiates what is bound).
+
+    Why: a batching rule runs with its ``BatchTrace``'s parent as the current
+    trace (every supported JAX); the tie's outputs must be batched when that
+    parent takes their derivative, which may vary along the batch. Relies on
+    ``core.trace_ctx.trace``, ``ad.JVPTrace`` and ``ad.LinearizeTrace`` (JAX >= 0.5).
+    """
+    linearize_trace = getattr(_ad_internal, "LinearizeTrace", None)
+    trace = _trace_ctx.trace
+    return isinstance(trace, _JVPTrace) or (linearize_trace is not None and isinstance(trace, linearize_trace))
+
+
+_batching_internal = _require_module("jax._src.interpreters.batching")
+_BatchTrace = _require(_batching_internal, "BatchTrace", "jax._src.interpreters.batching")
+
+
+def is_batching() -> bool:
+    """Whether a ``jax.vmap`` (``BatchTrace``) is among the active traces.
+
+    Why: a ``custom_jvp`` called directly under vmap gets its outputs' batch
+    axes after its rule ran (an output whose value does not depend on the
+    batch, but whose tangent does, is then batched); inside an inner
+    ``jit`` they are fixed by the primal alone, and the rule's tangent no
+    longer fits. Every supported JAX chains traces through ``parent_trace``.
+    """
+    trace = _trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, _BatchTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False

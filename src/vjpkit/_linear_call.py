@@ -121,30 +121,34 @@ class _TracedRule:
         return f"<traced {self.name}>"
 
 
-class _DerivingRules:
-    """Whether a rule runs to take its derivative along moving residuals (a higher order), not for its value."""
+def _refuse_forward_mode(rule: Callable) -> None:
+    """Raises the rule's own error if it may not run for its value (a class without jvp, in forward mode).
 
-    active = 0
-
-
-def deriving_rule() -> bool:
-    """True while ``linear_call``'s JVP runs a rule under ``jax.jvp`` (a derivative of second order or more)."""
-    return _DerivingRules.active > 0
+    A rule with ``forward_mode_error`` (a function returning the error) can
+    still be traced for its effects, transposed, or differentiated along
+    its residuals at a higher order; evaluating or compiling it is forward mode.
+    """
+    error = getattr(rule, "forward_mode_error", None)
+    if error is not None:
+        raise error()
 
 
 def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced, recorded):
+    _refuse_forward_mode(apply)
     res, lin = _split(args, num_res)
     return list(apply(res, lin))
 
 
 def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, name, traced, recorded):
-    if recorded:
-        # Recorded to be transposed, never run: grad must not trace the jvp.
+    if recorded or hasattr(apply, "forward_mode_error"):
+        # Recorded to be transposed, never run: grad must not trace the jvp
+        # (nor a rule forward mode may not run, whose transpose is traced when bound).
         return list(out_avals), set()
     return list(out_avals), traced.jaxpr(in_avals).effects
 
 
 def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
+    _refuse_forward_mode(apply)
     jaxpr = traced.jaxpr(ctx.avals_in)
     missing = _jax_internals.ordered_effects_without_tokens(ctx, jaxpr.effects)
     if missing:
@@ -233,6 +237,7 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
     if all(type(t) is ad.Zero for t in d_res):
         # Only the linear inputs move: the derivative is the call itself, same
         # rules. The value is computed inline: it is never transposed.
+        _refuse_forward_mode(apply)
         out = _flat_rule(apply, num_res, out_avals)(*primals)
         if all(type(t) is ad.Zero for t in d_lin):
             return out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
@@ -252,13 +257,9 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
             full[i] = value
         return rule(*full)
 
-    _DerivingRules.active += 1
-    try:
-        out, tangent_out = jax.jvp(
-            along_moving, [primals[i] for i in moving], [tangents[i] for i in moving]
-        )
-    finally:
-        _DerivingRules.active -= 1
+    out, tangent_out = jax.jvp(
+        along_moving, [primals[i] for i in moving], [tangents[i] for i in moving]
+    )
     return list(out), list(tangent_out)
 
 
@@ -286,6 +287,8 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
             )(r, xs)
 
         batched_rule.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)  # type: ignore[attr-defined]
+        if hasattr(rule, "forward_mode_error"):
+            batched_rule.forward_mode_error = rule.forward_mode_error  # type: ignore[attr-defined]
         return batched_rule
 
     batched_out_avals = tuple(_jax_internals.batched_aval(a, size, axis_data) for a in out_avals)
