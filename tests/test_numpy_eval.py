@@ -295,7 +295,7 @@ def test_every_primitive_in_the_table_has_cases():
 
 # The primitives with sub-jaxprs that the tests at the end of this module evaluate.
 SUBJAXPR_TESTED = {"jit", "pjit", "cond", "while", "scan", "remat2", "custom_jvp_call", "custom_vjp_call",
-                   "custom_vjp_call_jaxpr", "closed_call", "call", "vjpkit_tie"}
+                   "custom_vjp_call_jaxpr", "closed_call", "call", "vjpkit_tie", "vjpkit_linear_call"}
 
 
 def test_every_primitive_evaluated_through_its_sub_jaxprs_is_tested():

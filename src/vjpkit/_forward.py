@@ -29,6 +29,7 @@ residuals are constant (``jax.hessian`` fails).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -40,6 +41,8 @@ from ._outputs import Packed, is_differentiable_dtype
 from ._program import Program, as_arrays, no_forward_mode, not_differentiable
 from ._tie import OwnDerivative, tie_outputs
 
+_ANY_ARGUMENTS = inspect.signature(lambda *args: None)
+
 
 def forward_mode_function(program: Program) -> Any:
     """The ``custom_jvp`` of ``program``'s array leaves, returning ``Packed``."""
@@ -49,12 +52,17 @@ def forward_mode_function(program: Program) -> Any:
         return program.primal(*arrays)
 
     primal.__name__ = primal.__qualname__ = spec.name
+    primal.__signature__ = _ANY_ARGUMENTS  # type: ignore[attr-defined]  # read by JAX on each call, never built
     function = jax.custom_jvp(primal)
 
     def rule(primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
         return _Rule(program).run(primals, tangents)
 
     rule.__name__ = rule.__qualname__ = f"{spec.name}.jvp"
+    # JAX would work these out anew on every call while tracing (the same each time).
+    n_arrays = len(program.layout.dynamic)
+    _jax_internals.save_debug_info(primal, "custom_jvp fun", n_arrays)
+    _jax_internals.save_rule_debug_info(rule, "custom_jvp jvp", n_arrays)
     function.defjvp(rule, symbolic_zeros=True)
     return function
 

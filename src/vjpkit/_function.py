@@ -2,13 +2,13 @@
 
 The one path for data::
 
-    apply -> bind arguments -> split traced/static -> cached jitted custom_vjp
+    apply -> bind arguments -> split traced/static -> cached jitted custom_jvp
           -> user forward with a ctx -> residuals -> user backward
           -> checked gradients
 
 A class becomes a cache of *programs*, one per static part of a call
-(``_tree.partition`` of the bound arguments). A program owns one ``jax.custom_vjp`` whose
-primal, forward and backward rules run the user's methods, and one
+(``_tree.partition`` of the bound arguments). A program owns one ``jax.custom_jvp`` whose
+primal and rule run the user's methods (``_forward.py``), and one
 ``jax.jit`` of it; JAX's own jit cache then handles shapes and dtypes.
 """
 

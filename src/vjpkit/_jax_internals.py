@@ -698,3 +698,10 @@ def is_batching() -> bool:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def save_rule_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
+    """``save_debug_info`` for a ``custom_jvp`` rule, which JAX describes as called with (primals, tangents)."""
+    if _DEBUG_INFO_CAN_BE_SAVED:
+        leaves = (_Leaf(),) * n_args
+        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaves, leaves), {}))

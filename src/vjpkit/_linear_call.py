@@ -42,6 +42,7 @@ class _LinearCallPrimitive(Primitive):
 
 _linear_call_p = _LinearCallPrimitive("vjpkit_linear_call")
 _linear_call_p.multiple_results = True
+LINEAR_CALL_PRIMITIVE = _linear_call_p  # gradcheck's host evaluator evaluates the rule it runs
 
 
 def linear_call(
@@ -121,7 +122,7 @@ class _TracedRule:
         return f"<traced {self.name}>"
 
 
-def _refuse_forward_mode(rule: Callable) -> None:
+def refuse_forward_mode(rule: Callable) -> None:
     """Raises the rule's own error if it may not run for its value (a class without jvp, in forward mode).
 
     A rule with ``forward_mode_error`` (a function returning the error) can
@@ -134,7 +135,7 @@ def _refuse_forward_mode(rule: Callable) -> None:
 
 
 def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced, recorded):
-    _refuse_forward_mode(apply)
+    refuse_forward_mode(apply)
     res, lin = _split(args, num_res)
     return list(apply(res, lin))
 
@@ -148,7 +149,7 @@ def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, 
 
 
 def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
-    _refuse_forward_mode(apply)
+    refuse_forward_mode(apply)
     jaxpr = traced.jaxpr(ctx.avals_in)
     missing = _jax_internals.ordered_effects_without_tokens(ctx, jaxpr.effects)
     if missing:
@@ -237,7 +238,7 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
     if all(type(t) is ad.Zero for t in d_res):
         # Only the linear inputs move: the derivative is the call itself, same
         # rules. The value is computed inline: it is never transposed.
-        _refuse_forward_mode(apply)
+        refuse_forward_mode(apply)
         out = _flat_rule(apply, num_res, out_avals)(*primals)
         if all(type(t) is ad.Zero for t in d_lin):
             return out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]

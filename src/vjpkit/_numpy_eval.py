@@ -45,6 +45,7 @@ from jax.extend import core as jex_core
 from jax.extend.core import primitives as P
 
 from . import _jax_internals
+from ._linear_call import LINEAR_CALL_PRIMITIVE, refuse_forward_mode
 from ._tie import TIE_PRIMITIVE
 
 # Dtypes NumPy computes with as XLA's CPU backend does (to rounding).
@@ -532,6 +533,8 @@ class _Planner:
 
     def step(self, eqn: Any) -> Callable[[list], Sequence]:
         primitive, params = eqn.primitive, eqn.params
+        if primitive is LINEAR_CALL_PRIMITIVE:  # its rule's jaxpr is traced for the operands' types
+            params = {**params, "in_avals": [v.aval for v in eqn.invars]}
         rule = _SUBJAXPR_RULES.get(primitive)
         if rule is not None:
             try:
@@ -645,6 +648,12 @@ def _tie_rule(planner: _Planner, params: dict) -> Callable:
     return lambda args: [args[at] for at in outputs_at]
 
 
+def _linear_call_rule(planner: _Planner, params: dict) -> Callable:
+    """vjpkit's linear_call (``_linear_call.py``): the rule it runs, as it lowers."""
+    refuse_forward_mode(params["apply"])
+    return planner.plan(params["traced"].jaxpr(params["in_avals"]))
+
+
 def _subjaxpr_rules() -> dict[Any, Callable]:
     by_name = {
         "jit": _call_rule("jaxpr"),
@@ -661,6 +670,7 @@ def _subjaxpr_rules() -> dict[Any, Callable]:
     }
     rules = {_PRIMITIVES[name]: rule for name, rule in by_name.items() if name in _PRIMITIVES}
     rules[TIE_PRIMITIVE] = _tie_rule
+    rules[LINEAR_CALL_PRIMITIVE] = _linear_call_rule
     return rules
 
 

@@ -1,8 +1,8 @@
 """A program: the user's methods run on one static part of a call, while JAX traces.
 
 The one forward runner and the one backward runner live here, shared by
-the ``custom_vjp`` rules (``_function.py``) and the forward-mode rule
-(``_forward.py``):
+the ``custom_jvp`` rule (``_forward.py``) and the Function's own derivative
+(``_tie.py``):
 
 - ``run_forward``: arguments rebuilt from their array leaves, a ctx, the
   user's forward (and setup_context), outputs packed and checked, and what
