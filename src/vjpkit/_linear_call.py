@@ -4,9 +4,9 @@ Forward mode needs the user's ``jvp`` and reverse mode the user's
 ``backward`` on ONE function, which neither ``custom_jvp`` nor
 ``custom_vjp`` allows (jax#3996). vjpkit's ``custom_jvp`` rule returns its
 tangent through this primitive: evaluating it runs ``apply`` (the user's
-jvp); transposing it binds the same primitive with ``apply`` and
-``transpose`` swapped (so reverse mode runs the user's backward, and the
-transpose of the transpose is the jvp again). Unlike JAX's own
+jvp); transposing it runs ``transpose`` (the user's backward) inline, as
+JAX runs a ``custom_vjp``'s backward, so a derivative of the gradient
+differentiates backward's code. Unlike JAX's own
 ``custom_derivatives.linear_call`` it batches (both rules, lazily, under
 ``jax.vmap``) and its JVP also differentiates through the residuals, so
 ``jax.hessian``, ``jacfwd(jacrev)`` and ``jacrev(jacfwd)`` are right.
@@ -212,15 +212,14 @@ def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, nam
     in_avals = tuple(x.aval for x in lin)
     zero = tuple(type(ct) is ad.Zero for ct in cts)
     cts = [ad.instantiate_zeros(ct) for ct in cts]
-    # A transpose rule may name its own transpose (vjpkit: backward's is backward transposed by JAX).
-    transposed = getattr(transpose, "transposed", apply)
     if transpose is None:
         transpose = _transpose_by_jax(apply, name, in_avals)
     elif any(zero) and getattr(transpose, "takes_symbolic_zeros", False):
         # The rule wants to know which cotangents JAX knows are zero (vjpkit:
         # backward sees None for them when materialization is off).
         transpose = _with_zeros_as_none(transpose, zero)
-    cts_in = linear_call(res, cts, apply=transpose, transpose=transposed, out_avals=in_avals, name=name)
+    # Run inline, as a custom_vjp's backward is: a derivative of it differentiates its code.
+    cts_in = _flat_rule(transpose, num_res, in_avals)(*res, *cts)
     return [None] * num_res + list(cts_in)
 
 

@@ -83,8 +83,6 @@ class OwnDerivative:
             apply = self.apply_jvp
         else:
             apply = _NoForwardMode(self) if self.first_order else self.apply_transposed_backward
-            # Transposing backward again (a second reverse derivative) gives backward transposed, not an error.
-            backward_rule.transposed = self.apply_transposed_backward  # type: ignore[attr-defined]
         return linear_call(
             tuple(residuals),
             list(linear_tangents),
