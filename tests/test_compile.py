@@ -126,7 +126,7 @@ def _jaxprs_in(value):
 
 
 # The custom_vjp's equation in a jaxpr (``custom_vjp_call_jaxpr`` before JAX 0.5).
-CUSTOM_VJP_CALL = {"custom_vjp_call", "custom_vjp_call_jaxpr"}
+CUSTOM_JVP_CALL = {"custom_jvp_call", "custom_jvp_call_jaxpr"}  # every Function is one custom_jvp
 
 
 def test_inside_an_outer_jit_it_inlines():
@@ -140,7 +140,7 @@ def test_inside_an_outer_jit_it_inlines():
     assert outer_eqn.primitive.name in ("jit", "pjit")
     body = outer_eqn.params["jaxpr"].jaxpr
     names = [eqn.primitive.name for eqn in _eqns(body)]
-    assert CUSTOM_VJP_CALL & set(names), names
+    assert CUSTOM_JVP_CALL & set(names), names
     assert not {"jit", "pjit"} & set(names), names
     chex.assert_trees_all_close(outer(X), jnp.exp(X) * 6)
 
@@ -155,7 +155,7 @@ def test_closed_over_array_inside_an_outer_jit_inlines():
 
     (outer_eqn,) = jax.make_jaxpr(outer)(2.0).jaxpr.eqns
     names = [eqn.primitive.name for eqn in _eqns(outer_eqn.params["jaxpr"].jaxpr)]
-    assert CUSTOM_VJP_CALL & set(names), names
+    assert CUSTOM_JVP_CALL & set(names), names
     assert not {"jit", "pjit"} & set(names), names
     chex.assert_trees_all_close(outer(2.0), jnp.exp(X) * 2)
 
@@ -178,7 +178,7 @@ def test_closed_over_concrete_array_inside_an_outer_jit_inlines_after_eager_call
     outer = jax.jit(lambda y: Exp.apply(c) * y)
     (outer_eqn,) = jax.make_jaxpr(outer)(X).jaxpr.eqns
     names = [eqn.primitive.name for eqn in _eqns(outer_eqn.params["jaxpr"].jaxpr)]
-    assert CUSTOM_VJP_CALL & set(names), names
+    assert CUSTOM_JVP_CALL & set(names), names
     assert not {"jit", "pjit"} & set(names), names
 
 

@@ -457,11 +457,22 @@ def _ties(fn, *args):
     return jaxpr, [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "vjpkit_tie"]
 
 
+def _count_inlined(jaxpr):
+    """Equations once each ``vjpkit_linear_call`` is replaced by its rule's, as it lowers."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "vjpkit_linear_call":
+            count += _count_inlined(eqn.params["traced"].jaxpr([v.aval for v in eqn.invars]).jaxpr)
+        else:
+            count += 1
+    return count
+
+
 def test_tie_is_one_equation_per_call_taking_each_array_once():
     jaxpr, ties = _ties(lambda x: Tanh.apply(Tanh.apply(x)), X)
     by_hand = jax.make_jaxpr(jax.value_and_grad(sin_loss(lambda x: tanh_by_hand(tanh_by_hand(x)))))(X).jaxpr
     assert len(ties) == 2
-    assert len(jaxpr.eqns) == len(by_hand.eqns) + 2
+    assert _count_inlined(jaxpr) == len(by_hand.eqns) + 2
     # Tanh saves the output it returns: the input and that output, once each.
     assert [len(eqn.invars) for eqn in ties] == [2, 2]
 

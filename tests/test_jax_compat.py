@@ -90,21 +90,21 @@ def test_jacrev_after_grad_of_all_inputs_differentiates_one_input_again():
     np.testing.assert_allclose(got, jax.jacrev(lambda x, w: x @ w.T, argnums=1)(x, w))
 
 
-def test_custom_vjp_rules_carry_the_debug_info_jax_computes_for_them():
+def test_custom_jvp_and_its_rule_carry_the_debug_info_jax_computes_for_them():
     # Computed once per program (JAX 0.7 and later read it instead of working it out per call).
     from jax._src import api_util
 
     x, w = jnp.ones((2, 3)), jnp.ones((4, 3))
     Linear.apply(x, w)
     (entry,) = Linear._vjpkit_cache.programs.values()
-    custom_vjp = entry.program.differentiable
-    rules = [(custom_vjp.fun, "custom_vjp fun", "Linear"), (custom_vjp.fwd, "custom_vjp fwd", "Linear.forward"),
-             (custom_vjp.bwd, "custom_vjp bwd", "Linear.backward")]
-    for fn, traced_for, name in rules:
+    custom_jvp = entry.program.differentiable
+    rules = [(custom_jvp.fun, "custom_jvp fun", "Linear", (x, w)),
+             (custom_jvp.jvp, "custom_jvp jvp", "Linear.jvp", ((x, w), (x, w)))]
+    for fn, traced_for, name, args in rules:
         assert fn.__name__ == name  # what JAX's messages call it
         saved = vars(fn).pop("__fun_debug_info__", None)
         if saved is None:  # JAX before 0.7 works it out on every call
             continue
-        computed = api_util.debug_info(traced_for, fn, (x, w), {})
+        computed = api_util.debug_info(traced_for, fn, args, {})
         fn.__fun_debug_info__ = saved
         assert saved == computed

@@ -27,7 +27,7 @@ class FunctionCtx:
 
     Mirrors ``torch.autograd.function.FunctionCtx``. Arrays saved with
     ``save_for_backward`` (and array-valued attributes such as
-    ``ctx.mask = m``) travel to ``backward`` as ``custom_vjp`` residuals;
+    ``ctx.mask = m``) travel to ``backward`` as residuals;
     every other attribute travels as static data, fixed when JAX traces.
 
     A ctx lives for one call of the user's method: once that call returns,

@@ -1,16 +1,25 @@
-"""Forward mode: Functions that define ``jvp`` (alone, or with ``backward``).
+"""The differentiable function of a program: one ``custom_jvp`` for both modes.
 
-A class with only ``backward`` is a plain ``custom_vjp`` (``_function.py``).
-A class with ``jvp`` becomes a ``jax.custom_jvp`` (symbolic zeros, so
+Every Function becomes a ``jax.custom_jvp`` (symbolic zeros, so
 ``needs_input_grad`` is real) whose rule runs the user's forward and returns
 the output tangent through ``_linear_call.linear_call`` (``_tie.OwnDerivative``):
 
-- ``jax.jvp``/``jax.jacfwd`` evaluate that call: the user's ``jvp`` runs;
+- ``jax.jvp``/``jax.jacfwd`` evaluate that call: the user's ``jvp`` runs
+  (a class with only ``backward`` raises, naming the class);
 - ``jax.grad``/``jax.vjp``/``jax.jacrev`` transpose it: the user's
   ``backward`` runs, or, for a class with only ``jvp``, JAX transposes the
   user's ``jvp`` (which must then be linear in the tangents);
 - second order differentiates through the residuals as well, and takes the
   derivative of outputs and saved outputs from the same rules (``_tie``).
+
+Why not ``custom_vjp`` for a class with only ``backward``: forward may
+save different arrays (and always sees other ``needs_input_grad``) for each
+set of differentiated inputs, and ``custom_vjp`` keeps one residual
+structure per traced call, that of the last forward rule it traced, for
+every backward of that call (jax#16614): a jitted program differentiated
+eagerly with respect to ``x``, then ``w``, then both, ran backward with the
+second call's ``needs_input_grad``. A ``custom_jvp`` keeps each rule's
+trace, with its residuals and ``linear_call``, together.
 
 Why not ``custom_jvp`` alone: JAX would transpose the jvp rule for reverse
 mode and never call ``backward``. Why not ``linear_call`` from JAX: it has
@@ -20,6 +29,7 @@ residuals are constant (``jax.hessian`` fails).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -28,8 +38,10 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _jax_internals
 from ._outputs import Packed, is_differentiable_dtype
-from ._program import Program, as_arrays
+from ._program import Program, as_arrays, no_forward_mode, not_differentiable
 from ._tie import OwnDerivative, tie_outputs
+
+_ANY_ARGUMENTS = inspect.signature(lambda *args: None)
 
 
 def forward_mode_function(program: Program) -> Any:
@@ -40,12 +52,17 @@ def forward_mode_function(program: Program) -> Any:
         return program.primal(*arrays)
 
     primal.__name__ = primal.__qualname__ = spec.name
+    primal.__signature__ = _ANY_ARGUMENTS  # type: ignore[attr-defined]  # read by JAX on each call, never built
     function = jax.custom_jvp(primal)
 
     def rule(primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
         return _Rule(program).run(primals, tangents)
 
     rule.__name__ = rule.__qualname__ = f"{spec.name}.jvp"
+    # JAX would work these out anew on every call while tracing (the same each time).
+    n_arrays = len(program.layout.dynamic)
+    _jax_internals.save_debug_info(primal, "custom_jvp fun", n_arrays)
+    _jax_internals.save_rule_debug_info(rule, "custom_jvp jvp", n_arrays)
     function.defjvp(rule, symbolic_zeros=True)
     return function
 
@@ -58,6 +75,11 @@ class _Rule:
 
     def run(self, primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
         program = self.program
+        spec = program.spec
+        if spec.backward is None and spec.jvp is None:
+            raise not_differentiable(spec)
+        if spec.jvp is None and _jax_internals.differentiation("custom_jvp rule") != "vjp":
+            raise no_forward_mode(spec)
         arrays = as_arrays(primals)
         perturbed = [type(t) is not SymbolicZero for t in tangents]
         tangents = tuple(t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents)
@@ -70,7 +92,7 @@ class _Rule:
         packed, residuals = tie_outputs(program, arrays, packed, residuals)
         in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
         linear = [d for d, p in enumerate(perturbed) if p]
-        own = OwnDerivative(program, residuals.meta, packed.layout, in_avals, linear)
+        own = OwnDerivative(program, residuals.meta, packed.layout, in_avals, linear, first_order=True)
 
         tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
         if linear and own.outputs:

@@ -2,13 +2,13 @@
 
 The one path for data::
 
-    apply -> bind arguments -> split traced/static -> cached jitted custom_vjp
+    apply -> bind arguments -> split traced/static -> cached jitted custom_jvp
           -> user forward with a ctx -> residuals -> user backward
           -> checked gradients
 
 A class becomes a cache of *programs*, one per static part of a call
-(``_tree.partition`` of the bound arguments). A program owns one ``jax.custom_vjp`` whose
-primal, forward and backward rules run the user's methods, and one
+(``_tree.partition`` of the bound arguments). A program owns one ``jax.custom_jvp`` whose
+primal and rule run the user's methods (``_forward.py``), and one
 ``jax.jit`` of it; JAX's own jit cache then handles shapes and dtypes.
 """
 
@@ -31,9 +31,8 @@ from ._caches import on_clear
 from ._ctx import FunctionCtx, is_array
 from ._forward import forward_mode_function
 from ._outputs import Packed
-from ._program import Program, Residuals, Spec, as_arrays
-from ._tie import tie_outputs
-from ._tree import Partition, Unkeyable, find_tracer, static_key
+from ._program import Program, Spec, no_forward_mode
+from ._tree import Partition, Unkeyable, dict_key_types, find_tracer, static_key
 
 
 class CacheInfo(NamedTuple):
@@ -50,29 +49,15 @@ class CacheInfo(NamedTuple):
 
 
 class _Program(Program):
-    """The ``custom_vjp`` (and its ``jit``) for one static part of a call."""
+    """The differentiable function (and its ``jit``) for one static part of a call."""
 
     def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
         super().__init__(spec, layout, n_values, anomaly)
-        # The differentiable function of the array leaves, returning Packed.
-        self.differentiable: Callable
-        if spec.jvp is None:
-            primal, fwd, bwd = (
-                _named(self.primal, spec.name),
-                _named(self._fwd, f"{spec.name}.forward"),
-                _named(self._bwd, f"{spec.name}.backward"),
-            )
-            # JAX would work these out anew on every call while tracing (the same each time).
-            n_arrays = len(layout.dynamic)
-            for fn, role in ((primal, "fun"), (fwd, "fwd"), (bwd, "bwd")):
-                _jax_internals.save_debug_info(fn, f"custom_vjp {role}", n_arrays)
-            bwd._vjpkit_spec = spec  # type: ignore[attr-defined]  # names the class in forward mode (below)
-            self.differentiable = jax.custom_vjp(primal)
-            self.differentiable.defvjp(fwd, bwd, symbolic_zeros=True)
-        else:
-            self.differentiable = forward_mode_function(self)
+        # The differentiable function of the array leaves, returning Packed: a
+        # custom_jvp whose rule's tangent transposes to backward (see _forward.py).
+        self.differentiable: Callable = forward_mode_function(self)
         # The jit of _jit_body lives in the cache entry, not on the program: JAX's
-        # caches keep jaxprs whose custom_vjp rules refer to the program, so a
+        # caches keep jaxprs whose custom_jvp rules refer to the program, so a
         # program that referred to its jit would keep that jit's cache key (and
         # compiled executables) alive after vjpkit's cache dropped it.
 
@@ -90,56 +75,6 @@ class _Program(Program):
         packed = self.differentiable(*arrays)
         # jit can return static leaves only inside a pytree's static data.
         return packed if packed.layout.static else packed.unpack()
-
-    # -- the custom_vjp rules ---------------------------------------------
-
-    def _fwd(self, *primals: Any) -> tuple[Packed, Residuals]:
-        spec = self.spec
-        if spec.backward is None:
-            raise TypeError(
-                f"{spec.name} cannot be differentiated: it defines no backward "
-                f"(and no jvp). Add a backward(ctx, *grad_outputs) staticmethod to "
-                f"{spec.name} for reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
-                "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
-                "jax.jacfwd)."
-            )
-        if _jax_internals.differentiation("custom_vjp fwd") in ("jvp", "linearize"):
-            raise _no_forward_mode(spec)
-        arrays = as_arrays([p.value for p in primals])  # eager runs pass weakly typed Python scalars
-        needs = self.needs_input_grad([p.perturbed for p in primals], arrays)
-        packed, residuals = self.run_forward(arrays, needs)
-        # Under a higher-order derivative, outputs and saved outputs differentiate by backward, not forward's code.
-        return tie_outputs(self, arrays, packed, residuals)
-
-    def _bwd(self, residuals: Residuals, cotangents: Packed) -> tuple:
-        cts = tuple(self.run_backward(residuals, cotangents.layout, cotangents.arrays))
-        if not _jax_internals.BWD_STRUCTURE_IS_FIXED:
-            return cts
-        # JAX 0.5 to 0.7: every bwd call must return one structure, so no None.
-        kinds = [kind for kind in residuals.meta.in_kinds if kind is not None]
-        return tuple(
-            _jax_internals.zero_cotangent(*kind[:3]) if ct is None else ct
-            for ct, kind in zip(cts, kinds, strict=True)
-        )
-
-
-def _no_forward_mode(spec: Spec) -> TypeError:
-    return TypeError(
-        f"{spec.name} has no forward-mode derivative (jax.jvp, jax.jacfwd, "
-        f"jax.linearize): it defines backward but no jvp. Add a "
-        f"jvp(ctx, *tangents) staticmethod to {spec.name}, or use reverse "
-        "mode (jax.grad, jax.vjp, jax.jacrev)."
-    )
-
-
-def _no_forward_mode_of_linearized(bwd: Any) -> TypeError | None:
-    # jax.jvp may reuse what an earlier jax.grad of the same jitted function kept: the message must not depend on
-    # which came first.
-    spec = getattr(bwd, "_vjpkit_spec", None)
-    return None if spec is None else _no_forward_mode(spec)
-
-
-_jax_internals.explain_forward_mode_of_linearized(_no_forward_mode_of_linearized)
 
 
 def _closed_over_differentiated(spec: Spec, how: str) -> TypeError:
@@ -401,9 +336,12 @@ class _Cache:
         leaves: Any = _call_leaves(args, kwargs)
         path: list[Any] = [(self.shapes[anomaly], (*map(type, leaves), *kwargs))]  # (table, key) down to the route
         nested = any(map(_is_pytree, leaves))
+        routable = True
         if nested:
             leaves, treedef = _flatten(leaves)
             path.append((None, (treedef, *map(type, leaves))))
+            # A treedef holds dict keys by equality ({True: x} is {1: x}): such calls always bind.
+            routable = not dict_key_types(treedef)
         pick = self._pick(args, kwargs, layout, len(leaves))
         with self.lock:
             self.calls += 1
@@ -421,6 +359,16 @@ class _Cache:
                     self._forget_routes(self.programs.pop(min(self.programs.values(), key=_last_used).key))
             else:
                 entry.used = self.calls
+            # On concrete arrays, the jit (it inlines if an outer jit traces); on tracers, _run_in_trace; with a
+            # static argument holding a tracer of an enclosing transformation (a function closing over it), the
+            # custom_jvp itself, as for a class whose methods close over one (a jit of its own cannot hold it).
+            on_tracers = entry.jitted is None or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+            run: Any = functools.partial(_run_in_trace, entry) if on_tracers else entry.on_arrays
+            if any(find_tracer(value) for _, value in layout.static):
+                run = functools.partial(_run_unjitted, entry)
+            route = (entry, pick, run)
+            if not routable:
+                return route, leaves
             table, (_, shape_key) = path[0][0], path[0]
             shape = table.get(shape_key)
             if shape is None:
@@ -434,14 +382,6 @@ class _Cache:
             if shape.keyer is None and not shape.routes:  # the leaf types fix which leaves are static
                 shape.keyer = _keyer(leaves, tuple(i for i, x in enumerate(leaves) if not is_array(x)))
             statics = () if shape.keyer is None else shape.keyer(leaves)
-            # On concrete arrays, the jit (it inlines if an outer jit traces); on tracers, _run_in_trace; with a
-            # static argument holding a tracer of an enclosing transformation (a function closing over it), the
-            # custom_vjp itself, as for a class whose methods close over one (a jit of its own cannot hold it).
-            on_tracers = entry.jitted is None or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
-            run: Any = functools.partial(_run_in_trace, entry) if on_tracers else entry.on_arrays
-            if any(find_tracer(value) for _, value in layout.static):
-                run = functools.partial(_run_unjitted, entry)
-            route = (entry, pick, run)
             shape.add(statics, route)
             entry.routes.append((*path, (shape, statics)))
             if len(entry.routes) > _SHAPES_PER_PROGRAM:
@@ -507,10 +447,11 @@ def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
     spec = entry.program.spec
     # JAX may reuse a forward rule traced for reverse mode.
     if spec.jvp is None and _jax_internals.differentiation("apply") == "linearize":
-        raise _no_forward_mode(spec)
-    if entry.jitted is None or _jax_internals.is_staging():
-        # Under an outer jit (or scan, checkpoint, ...) the custom_vjp inlines
-        # into the caller's program; jit=False runs op by op.
+        raise no_forward_mode(spec)
+    if entry.jitted is None or _jax_internals.is_staging() or _jax_internals.is_batching():
+        # Under an outer jit (or scan, checkpoint, ...) the custom_jvp inlines
+        # into the caller's program; jit=False runs op by op. Under vmap, JAX
+        # batches it as a plain custom_jvp (outputs batched as its rule says).
         return entry.program.differentiable(*map(as_jax_leaf, arrays))
     return entry.jitted(*arrays)
 
@@ -518,7 +459,7 @@ def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
 def _run_unjitted(entry: _Entry, *arrays: Any) -> Any:
     """A call whose static arguments hold a tracer of an enclosing transformation."""
     if entry.program.spec.jvp is None and _jax_internals.differentiation("apply") == "linearize":
-        raise _no_forward_mode(entry.program.spec)
+        raise no_forward_mode(entry.program.spec)
     return entry.program.differentiable(*map(as_jax_leaf, arrays))
 
 
@@ -530,10 +471,6 @@ def _reraise(spec: Spec, program: _Program, e: Exception, run: Any) -> None:
         if spec.closes_over_tracer or passed_in:  # JAX's report for a closure over a value it differentiates
             raise _closed_over_differentiated(spec, how) from None
         raise _leaked_tracer(spec, e) from None
-    # JAX reuses a forward rule it traced for reverse mode, so vjpkit's own
-    # check in _fwd can be skipped; name the class here instead.
-    if _jax_internals.is_forward_mode_of_custom_vjp_error(e):
-        raise _no_forward_mode(spec) from None
     if _jax_internals.is_closed_over_differentiated_error(e):
         raise _closed_over_differentiated(spec, how) from None
     tracer = _jax_internals.closed_over_tracer_type(e)

@@ -28,7 +28,6 @@ config.trace_context (called: gradcheck's cache key)   all             none
 ad.custom_lin_p (its rules wrapped to name a class)    all             none
 effects.ordered_effects                                all             none
 pjit._pjit_transpose_trace (presence only)             0.4.38 to 0.7   none
-linear_util._get_result_paths_thunk (presence only)    0.5 to 0.7      none
 util.weakref_cache_key_types                           0.7 on          none
 api_util.debug_info, save_wrapped_fun_debug_info       0.7 on          none
 =====================================================  ==============  ==========================================
@@ -309,33 +308,6 @@ def differentiation(caller: Literal["custom_vjp fwd", "custom_jvp rule", "apply"
     return "jvp" if in_jvp else None
 
 
-# JAX's own error (its wording in every supported version) when forward mode
-# reaches a custom_vjp function whose forward rule it traced for reverse mode.
-_JAX_NO_FORWARD_MODE = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
-
-
-def is_forward_mode_of_custom_vjp_error(e: BaseException) -> bool:
-    """Whether ``e`` is JAX's "forward mode applied to a custom_vjp function" error."""
-    return isinstance(e, TypeError) and str(e).startswith(_JAX_NO_FORWARD_MODE)
-
-
-# JAX 0.5 to 0.7 assert that every call of a custom_vjp's bwd returns the same
-# pytree structure (``linear_util._get_result_paths_thunk``), yet call one bwd
-# again when a cached jaxpr is transposed again (``jax.grad`` then
-# ``jax.jacrev``) with other inputs differentiated: there a cotangent vjpkit
-# leaves out (None) is returned as a SymbolicZero of the input's type instead.
-BWD_STRUCTURE_IS_FIXED = hasattr(_require_module("jax._src.linear_util"), "_get_result_paths_thunk")
-
-
-def zero_cotangent(shape: tuple, dtype: Any, varying: frozenset) -> Any:
-    """A ``SymbolicZero`` cotangent for an input of this type (JAX 0.5 to 0.7)."""
-    from jax.custom_derivatives import SymbolicZero
-
-    # Varying types (``vma``) exist from JAX 0.6.
-    aval = ShapedArray(shape, dtype, vma=frozenset(varying)) if varying else ShapedArray(shape, dtype)  # type: ignore[call-arg]
-    return SymbolicZero(aval.to_tangent_aval())
-
-
 # ---------------------------------------------------------------------------
 # interpreters.batching and core: vmap rules.
 
@@ -578,42 +550,7 @@ def trace_configuration() -> tuple:
 
 
 # ---------------------------------------------------------------------------
-# Forward mode of a custom_vjp that JAX linearized earlier (_function.py).
-
-# JAX keeps a custom_vjp's linearization (its ``custom_lin`` equation, which
-# holds the bwd rule) in the jaxprs it caches for reverse mode, and reuses it
-# for ``jax.jvp`` of the same jitted function; the custom_vjp's forward rule
-# does not run again, so only the equation's own rules can say which class it
-# is. Every JAX from 0.4.38 has ``custom_lin_p`` with a ``bwd`` parameter (a
-# ``lu.WrappedFun`` whose ``f`` is the rule given to ``defvjp``).
-_custom_lin_p = getattr(_ad, "custom_lin_p", None)
-
-
-def explain_forward_mode_of_linearized(explain: Callable[[Any], Exception | None]) -> None:
-    """Raises ``explain(bwd)`` when JAX evaluates, batches or lowers a kept linearization in forward mode.
-
-    ``bwd`` is the function given to ``defvjp``; where ``explain`` returns
-    None, JAX's own rule runs (and raises JAX's generic error).
-    """
-    if _custom_lin_p is None:
-        return
-    original_impl = _custom_lin_p.impl
-    original_lowering = getattr(_ad, "raise_custom_vjp_error_on_jvp", original_impl)
-
-    def explained(original: Callable) -> Callable:
-        def rule(*args: Any, **params: Any) -> Any:
-            bwd = params.get("bwd")
-            error = explain(getattr(bwd, "f", bwd))
-            if error is not None:
-                raise error
-            return original(*args, **params)
-
-        return rule
-
-    _custom_lin_p.def_impl(explained(original_impl))
-    batching.primitive_batchers[_custom_lin_p] = explained(original_lowering)  # JAX's batcher: the same raise
-    mlir.register_lowering(_custom_lin_p, explained(original_lowering))
-
+# JAX's errors about closures over traced values (_function.py explains them naming the class).
 
 # JAX's error for a custom_vjp whose function closes over a value being differentiated: the same words in every
 # JAX from 0.4.38 (its type, CustomVJPException, is not public).
@@ -636,3 +573,46 @@ def closed_over_tracer_type(e: BaseException) -> str | None:
     """The tracer's type name (``JVPTracer``, ``BatchTracer``, ...) if ``e`` is that error, else None."""
     match = _NO_CONSTANT_HANDLER.match(str(e)) if isinstance(e, TypeError) else None
     return None if match is None else match.group(1)
+
+# ---------------------------------------------------------------------------
+# Where a trace stands: whether a batching rule's bind is differentiated on the spot, and
+# whether a vmap is active (_tie.py, _function.py); debug info for a custom_jvp's rule.
+
+
+def differentiating_here() -> bool:
+    """Whether the current trace is a ``JVPTrace`` or ``LinearizeTrace`` (it differentiates what is bound).
+
+    Why: a batching rule runs with its ``BatchTrace``'s parent as the current
+    trace (every supported JAX); the tie's outputs must be batched when that
+    parent takes their derivative, which may vary along the batch. Relies on
+    ``core.trace_ctx.trace``, ``ad.JVPTrace`` and ``ad.LinearizeTrace`` (every supported JAX).
+    """
+    return isinstance(_trace_ctx.trace, (_JVPTrace, _LinearizeTrace))
+
+
+_batching_internal = _require_module("jax._src.interpreters.batching")
+_BatchTrace = _require(_batching_internal, "BatchTrace", "jax._src.interpreters.batching")
+
+
+def is_batching() -> bool:
+    """Whether a ``jax.vmap`` (``BatchTrace``) is among the active traces.
+
+    Why: a ``custom_jvp`` called directly under vmap gets its outputs' batch
+    axes after its rule ran (an output whose value does not depend on the
+    batch, but whose tangent does, is then batched); inside an inner
+    ``jit`` they are fixed by the primal alone, and the rule's tangent no
+    longer fits. Every supported JAX chains traces through ``parent_trace``.
+    """
+    trace = _trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, _BatchTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def save_rule_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
+    """``save_debug_info`` for a ``custom_jvp`` rule, which JAX describes as called with (primals, tangents)."""
+    if _DEBUG_INFO_CAN_BE_SAVED:
+        leaves = (_Leaf(),) * n_args
+        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaves, leaves), {}))

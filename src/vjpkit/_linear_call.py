@@ -4,9 +4,9 @@ Forward mode needs the user's ``jvp`` and reverse mode the user's
 ``backward`` on ONE function, which neither ``custom_jvp`` nor
 ``custom_vjp`` allows (jax#3996). vjpkit's ``custom_jvp`` rule returns its
 tangent through this primitive: evaluating it runs ``apply`` (the user's
-jvp); transposing it binds the same primitive with ``apply`` and
-``transpose`` swapped (so reverse mode runs the user's backward, and the
-transpose of the transpose is the jvp again). Unlike JAX's own
+jvp); transposing it runs ``transpose`` (the user's backward) inline, as
+JAX runs a ``custom_vjp``'s backward, so a derivative of the gradient
+differentiates backward's code. Unlike JAX's own
 ``custom_derivatives.linear_call`` it batches (both rules, lazily, under
 ``jax.vmap``) and its JVP also differentiates through the residuals, so
 ``jax.hessian``, ``jacfwd(jacrev)`` and ``jacrev(jacfwd)`` are right.
@@ -42,6 +42,7 @@ class _LinearCallPrimitive(Primitive):
 
 _linear_call_p = _LinearCallPrimitive("vjpkit_linear_call")
 _linear_call_p.multiple_results = True
+LINEAR_CALL_PRIMITIVE = _linear_call_p  # gradcheck's host evaluator evaluates the rule it runs
 
 
 def linear_call(
@@ -121,19 +122,34 @@ class _TracedRule:
         return f"<traced {self.name}>"
 
 
+def refuse_forward_mode(rule: Callable) -> None:
+    """Raises the rule's own error if it may not run for its value (a class without jvp, in forward mode).
+
+    A rule with ``forward_mode_error`` (a function returning the error) can
+    still be traced for its effects, transposed, or differentiated along
+    its residuals at a higher order; evaluating or compiling it is forward mode.
+    """
+    error = getattr(rule, "forward_mode_error", None)
+    if error is not None:
+        raise error()
+
+
 def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced, recorded):
+    refuse_forward_mode(apply)
     res, lin = _split(args, num_res)
     return list(apply(res, lin))
 
 
 def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, name, traced, recorded):
-    if recorded:
-        # Recorded to be transposed, never run: grad must not trace the jvp.
+    if recorded or hasattr(apply, "forward_mode_error"):
+        # Recorded to be transposed, never run: grad must not trace the jvp
+        # (nor a rule forward mode may not run, whose transpose is traced when bound).
         return list(out_avals), set()
     return list(out_avals), traced.jaxpr(in_avals).effects
 
 
 def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
+    refuse_forward_mode(apply)
     jaxpr = traced.jaxpr(ctx.avals_in)
     missing = _jax_internals.ordered_effects_without_tokens(ctx, jaxpr.effects)
     if missing:
@@ -202,7 +218,8 @@ def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, nam
         # The rule wants to know which cotangents JAX knows are zero (vjpkit:
         # backward sees None for them when materialization is off).
         transpose = _with_zeros_as_none(transpose, zero)
-    cts_in = linear_call(res, cts, apply=transpose, transpose=apply, out_avals=in_avals, name=name)
+    # Run inline, as a custom_vjp's backward is: a derivative of it differentiates its code.
+    cts_in = _flat_rule(transpose, num_res, in_avals)(*res, *cts)
     return [None] * num_res + list(cts_in)
 
 
@@ -220,6 +237,7 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
     if all(type(t) is ad.Zero for t in d_res):
         # Only the linear inputs move: the derivative is the call itself, same
         # rules. The value is computed inline: it is never transposed.
+        refuse_forward_mode(apply)
         out = _flat_rule(apply, num_res, out_avals)(*primals)
         if all(type(t) is ad.Zero for t in d_lin):
             return out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
@@ -269,6 +287,8 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
             )(r, xs)
 
         batched_rule.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)  # type: ignore[attr-defined]
+        if hasattr(rule, "forward_mode_error"):
+            batched_rule.forward_mode_error = rule.forward_mode_error  # type: ignore[attr-defined]
         return batched_rule
 
     batched_out_avals = tuple(_jax_internals.batched_aval(a, size, axis_data) for a in out_avals)
@@ -284,5 +304,8 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
 
 
 ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
+# JAX's caches keyed by equation parameters must not keep a rule (and the
+# program it runs) alive after the jaxprs holding the call are gone.
+_jax_internals.hold_weakly_in_caches(_TracedRule)
 ad.primitive_transposes[_linear_call_p] = _linear_call_transpose
 batching.fancy_primitive_batchers[_linear_call_p] = _linear_call_batch

@@ -1,8 +1,8 @@
 """A program: the user's methods run on one static part of a call, while JAX traces.
 
 The one forward runner and the one backward runner live here, shared by
-the ``custom_vjp`` rules (``_function.py``) and the forward-mode rule
-(``_forward.py``):
+the ``custom_jvp`` rule (``_forward.py``) and the Function's own derivative
+(``_tie.py``):
 
 - ``run_forward``: arguments rebuilt from their array leaves, a ctx, the
   user's forward (and setup_context), outputs packed and checked, and what
@@ -99,6 +99,27 @@ class Spec:
             f"{self.name}.apply: static argument {name!r} ({owner}) is keyed by its contents, so that a "
             f"changed object gets a new program; but {problem}"
         )
+
+
+def no_forward_mode(spec: Spec) -> TypeError:
+    """The error for forward mode (jax.jvp, jax.jacfwd, jax.linearize) of a class without jvp."""
+    return TypeError(
+        f"{spec.name} has no forward-mode derivative (jax.jvp, jax.jacfwd, "
+        f"jax.linearize): it defines backward but no jvp. Add a "
+        f"jvp(ctx, *tangents) staticmethod to {spec.name}, or use reverse "
+        "mode (jax.grad, jax.vjp, jax.jacrev)."
+    )
+
+
+def not_differentiable(spec: Spec) -> TypeError:
+    """The error for differentiating a class with neither backward nor jvp."""
+    return TypeError(
+        f"{spec.name} cannot be differentiated: it defines no backward "
+        f"(and no jvp). Add a backward(ctx, *grad_outputs) staticmethod to "
+        f"{spec.name} for reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
+        "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
+        "jax.jacfwd)."
+    )
 
 
 def _leaf_path(tree: Any, position: int) -> str:

@@ -38,7 +38,7 @@ from ._ctx import _short_repr, is_array, rule_ctx
 from ._jax_internals import Primitive, ad, batching, mlir
 from ._linear_call import linear_call
 from ._outputs import Packed, _fit_dtype, is_differentiable_dtype
-from ._program import Program, ResidualMeta, Residuals, as_arrays, run_user_method
+from ._program import Program, ResidualMeta, Residuals, as_arrays, no_forward_mode, run_user_method
 
 
 class OwnDerivative:
@@ -46,9 +46,12 @@ class OwnDerivative:
 
     ``linear`` lists the input leaves whose tangents are the linear inputs;
     the tangents computed are those of the differentiable outputs.
+    ``first_order``: the Function's own rule, not a tie's; evaluating it
+    is forward mode, which a class without ``jvp`` does not have.
     """
 
-    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_avals: list, linear: list):
+    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_avals: list, linear: list,
+                 first_order: bool = False):
         self.program = program
         self.spec = program.spec
         self.name = program.spec.name
@@ -57,6 +60,7 @@ class OwnDerivative:
         self.in_avals = in_avals
         self.linear = linear
         self.outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
+        self.first_order = first_order
 
     def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any]) -> list:
         """One tangent per differentiable output (of types ``out_types``), as a ``linear_call``.
@@ -79,10 +83,14 @@ class OwnDerivative:
             return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), gradient_shardings)
 
         backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
+        if spec.jvp is not None:
+            apply = self.apply_jvp
+        else:
+            apply = _NoForwardMode(self) if self.first_order else self.apply_transposed_backward
         return linear_call(
             tuple(residuals),
             list(linear_tangents),
-            apply=self.apply_jvp if spec.jvp is not None else self.apply_transposed_backward,
+            apply=apply,
             transpose=backward_rule if spec.backward is not None else None,
             out_avals=out_types,
             name=self.name,
@@ -201,6 +209,26 @@ class OwnDerivative:
                 )
             tangents.append(_fit_dtype(name, "jvp", f"output {j}", t, dtype, what="tangent"))
         return tangents
+
+
+class _NoForwardMode:
+    """The first-order rule of a class without jvp: backward transposed, which forward mode may not run.
+
+    ``linear_call`` raises ``forward_mode_error()`` where the rule would run
+    for its value (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``; also after
+    ``jax.grad`` of a jitted program, whose rule trace JAX reuses); tracing
+    it for its effects, transposing it (reverse mode) and differentiating it
+    along the residuals (a higher order) run backward transposed.
+    """
+
+    def __init__(self, own: OwnDerivative):
+        self.own = own
+
+    def __call__(self, residuals: tuple, linear: tuple) -> list:
+        return self.own.apply_transposed_backward(residuals, linear)
+
+    def forward_mode_error(self) -> TypeError:
+        return no_forward_mode(self.own.spec)
 
 
 def _same_structure(treedef: Any, value: Any) -> bool:
@@ -344,11 +372,11 @@ class _Tie:
 class _BatchedTie:
     """A tie under ``jax.vmap``: the unbatched tie's derivative, run under the same vmap.
 
-    ``dims``: the batch axis of each operand (None: not batched); the
-    outputs' operands are batched along axis 0.
+    ``dims``: the batch axis of each operand (None: not batched); each
+    output keeps its operand's axis (``out_dims``).
     """
 
-    __slots__ = ("inner", "dims", "size", "axis_names", "outputs_at", "__weakref__")
+    __slots__ = ("inner", "dims", "size", "axis_names", "outputs_at", "out_dims", "__weakref__")
 
     def __init__(self, inner: Any, dims: tuple, size: int, axis_names: dict):
         self.inner = inner
@@ -356,6 +384,7 @@ class _BatchedTie:
         self.size = size
         self.axis_names = axis_names
         self.outputs_at = inner.outputs_at
+        self.out_dims = [dims[at] for at in inner.outputs_at]
 
     def rule(self, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
         moving = [
@@ -370,7 +399,9 @@ class _BatchedTie:
             return list(outputs), [ad.instantiate_zeros(t) for t in out_tangents]
 
         in_axes = (list(self.dims), [self.dims[at] for at in moving])
-        return jax.vmap(unbatched, in_axes=in_axes, axis_size=self.size, **self.axis_names)(
+        # An output that is not batched keeps an unbatched tangent (vmap raises if it varies along the batch).
+        out_axes = (list(self.out_dims), list(self.out_dims))
+        return jax.vmap(unbatched, in_axes=in_axes, out_axes=out_axes, axis_size=self.size, **self.axis_names)(
             list(primals), [tangents[at] for at in moving]
         )
 
@@ -407,13 +438,15 @@ def _tie_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, tie:
     if all(d is None for d in dims) and axis_names["axis_name"] is None:
         out = _tie_p.bind(*args, tie=tie)
         return out, [None] * len(out)
-    # Every output batched: its derivative may vary along the batch even where its value does not.
     size = axis_data.size
     args, dims = list(args), list(dims)
-    for at in set(tie.outputs_at):
-        args[at], dims[at] = batching.bdim_at_front(args[at], dims[at], size), 0
-    out = _tie_p.bind(*args, tie=_BatchedTie(tie, tuple(dims), size, axis_names))
-    return out, [0] * len(out)
+    if _jax_internals.differentiating_here():
+        # Its derivative is taken now, and may vary along the batch even where its value does not.
+        for at in set(tie.outputs_at):
+            args[at], dims[at] = batching.bdim_at_front(args[at], dims[at], size), 0
+    # Otherwise each output keeps its own batch axis: one that does not depend on the batch stays unbatched.
+    batched = _BatchedTie(tie, tuple(dims), size, axis_names)
+    return _tie_p.bind(*args, tie=batched), list(batched.out_dims)
 
 
 _tie_p.def_impl(_tie_impl)

@@ -11,6 +11,7 @@ tells ``1``, ``1.0`` and ``True`` apart.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -68,8 +69,12 @@ def _number_key(value: Any) -> Any:
 def static_key(value: Any, by_value: bool = False) -> Any:
     """A hashable key for a static value that tells ``1``, ``1.0`` and ``True`` apart.
 
-    Floats are keyed by their bits. An unhashable value is keyed by identity,
-    or with ``by_value`` by a fingerprint of its contents (``fingerprint``).
+    Floats are keyed by their bits. Tuples (named or not), frozensets and
+    dataclasses whose equality ``dataclass`` wrote are keyed by the type and
+    key of each part, wherever they sit: ``Cfg(True)`` equals ``Cfg(1)`` in
+    Python, but a forward may branch on the type. Other hashable values keep
+    their own equality (as ``jax.jit`` does). An unhashable value is keyed by
+    identity, or with ``by_value`` by a fingerprint of its contents (``fingerprint``).
     """
     kind = type(value)
     if kind is float:
@@ -80,7 +85,34 @@ def static_key(value: Any, by_value: bool = False) -> Any:
         hash(value)
     except TypeError:
         return fingerprint(value) if by_value else _ById(value)
+    if kind in _KEYED_BY_ITSELF:
+        return (kind, value)
+    return _typed_key(value)
+
+
+# Hashable types whose equal values are the same value.
+_KEYED_BY_ITSELF = frozenset({int, bool, str, bytes, type(None), type, range})
+
+
+def _typed_key(value: Any) -> Any:
+    """The key of a hashable value: containers and generated dataclass equality by typed parts."""
+    kind = type(value)
+    if isinstance(value, tuple):  # named tuples too: their equality is the tuple's
+        return (kind, tuple(map(static_key, value)))
+    if isinstance(value, frozenset):
+        return (kind, frozenset(map(static_key, value)))
+    if _has_generated_eq(kind):
+        fields = dataclasses.fields(value)
+        return (kind, tuple((f.name, static_key(getattr(value, f.name))) for f in fields if f.compare))
     return (kind, value)
+
+
+def _has_generated_eq(kind: type) -> bool:
+    """Whether ``kind`` is a dataclass whose ``__eq__`` ``dataclass`` wrote (compiled from a string), not the user."""
+    params = getattr(kind, "__dataclass_params__", None)
+    eq = kind.__dict__.get("__eq__")
+    code = getattr(eq, "__code__", None)
+    return bool(params is not None and params.eq and code is not None and code.co_filename == "<string>")
 
 
 def fingerprint(value: Any) -> Any:
@@ -114,7 +146,7 @@ def _fingerprint(root: Any, value: Any, path: str, open_ids: set) -> Any:
         elif isinstance(value, (set, frozenset)):
             parts = frozenset(_fingerprint(root, v, f"{path}{{...}}", open_ids) for v in value)
         elif _is_hashable(value):
-            return (kind, value)
+            return static_key(value)
         elif dataclasses.is_dataclass(value):
             parts = tuple(
                 (f.name, _fingerprint(root, getattr(value, f.name), f"{path}.{f.name}", open_ids))
@@ -253,6 +285,31 @@ class Partition:
         )
 
 
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def dict_key_types(treedef: Any) -> tuple:
+    """The typed keys of ``treedef``'s dicts whose keys are not all strings (none: ``()``).
+
+    Why: a treedef holds dict keys by equality, so ``{True: x}`` and ``{1: x}``
+    have one treedef, yet forward sees the key's type.
+    """
+    typed = []
+    stack = [treedef]
+    while stack:
+        node = stack.pop()
+        data = node.node_data()
+        if data is None:
+            continue
+        kind, aux = data
+        if kind in _DICTS:
+            keys = aux[1] if kind is collections.defaultdict else aux
+            if any(type(k) is not str for k in keys):
+                typed.append(tuple(map(static_key, keys)))
+        stack.extend(node.children())
+    return tuple(typed)
+
+
 def partition(tree: Any, is_dynamic: Callable[[Any], bool], by_value: bool = False) -> tuple[Partition, list]:
     """Splits ``tree`` into its static part and the list of its dynamic leaves.
 
@@ -260,7 +317,7 @@ def partition(tree: Any, is_dynamic: Callable[[Any], bool], by_value: bool = Fal
     (``fingerprint``), not by identity.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    static, dynamic, values, key = [], [], [], [treedef]
+    static, dynamic, values, key = [], [], [], [treedef, *dict_key_types(treedef)]
     for i, leaf in enumerate(leaves):
         if is_dynamic(leaf):
             dynamic.append(i)
