@@ -17,6 +17,7 @@ core.trace_ctx (the current trace)                     all             none
 core.get_aval                                          0.4.38 to 0.5.2 ``jax.typeof`` (0.5.3 on)
 core.ShardingTypeError                                 0.5 on          none
 core.no_axis_name, core.unmapped_aval                  all             none (vmap batching rules)
+batching.BatchTrace (is a vmap active)                 all             none
 partial_eval.DynamicJaxprTrace                         all             none
 partial_eval.JaxprTrace                                0.4.38 to 0.6   none (and later JAX with
                                                                        jax_use_direct_linearize off)

@@ -429,10 +429,6 @@ def test_multiple_rule_invocations():
           jax.grad(lambda x: jax.vmap(plain)(x).sum())(jnp.arange(3.0)), rtol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fixed on branch core-eager: an output that does not depend on the batched input, under vmap+autodiff",
-)
 def test_hard_stuff2():
     # CustomJVPTest.test_hard_stuff2: the output does not depend on x (a constant of x's shape).
     class F(vjpkit.Function):
@@ -1071,10 +1067,6 @@ def test_resolve_kwargs_error_message():
     close(F.apply(jnp.float32(0.5), 0.1, z=1.0), (jnp.sin(0.5), 0.5 + jnp.cos(0.1)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fixed on branch core-eager: an output that does not depend on the batched input, under vmap+autodiff",
-)
 def test_symbolic_zero_custom_jvp_vmap_doesnt_instantiate():
     # CustomJVPTest.test_symbolic_zero_custom_jvp_vmap_doesnt_instantiate. vjpkit: a None tangent returned by
     # jvp is a zero array for the next Function (JAX passes its SymbolicZero on), so only the values are checked.
