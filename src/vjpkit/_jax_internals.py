@@ -21,7 +21,7 @@ batching.BatchTrace (is a vmap active)                 all             none
 partial_eval.DynamicJaxprTrace                         all             none
 partial_eval.JaxprTrace                                0.4.38 to 0.6   none (and later JAX with
                                                                        jax_use_direct_linearize off)
-ad.JVPTrace, ad.LinearizeTrace, ad.linearize_from_jvp  all             none
+ad.JVPTrace, ad.LinearizeTrace                         all             none
 config.use_direct_linearize                            all             none (read as on where absent)
 config.config_ext                                      all             none (``jax.config`` defines no states)
 config.trace_context (its code is replaced)            0.4.38 to 0.7   none
@@ -45,7 +45,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import itertools
 import re
 import sys
 import types
@@ -209,15 +208,10 @@ def _code(owner: Any, name: str, where: str) -> Any:
     return _require(owner, name, where).__code__
 
 
-_JVP_CUSTOM_VJP = _code(_JVPTrace, "process_custom_vjp_call", "jax._src.interpreters.ad.JVPTrace")
 _JVP_CUSTOM_JVP = _code(_JVPTrace, "process_custom_jvp_call", "jax._src.interpreters.ad.JVPTrace")
 _JVP_PRIMITIVE = _code(_JVPTrace, "process_primitive", "jax._src.interpreters.ad.JVPTrace")
-_LINEARIZE_CUSTOM_VJP = _code(_LinearizeTrace, "process_custom_vjp_call", "jax._src.interpreters.ad.LinearizeTrace")
 _LINEARIZE_CUSTOM_JVP = _code(_LinearizeTrace, "process_custom_jvp_call", "jax._src.interpreters.ad.LinearizeTrace")
 _LINEARIZE_PRIMITIVE = _code(_LinearizeTrace, "process_primitive", "jax._src.interpreters.ad.LinearizeTrace")
-# Reverse mode through a JVP: direct linearization of a primitive with no
-# linearize rule (``jax.checkpoint``'s ``remat_p``) runs its JVP here.
-_LINEARIZE_FROM_JVP = _code(_ad, "linearize_from_jvp", "jax._src.interpreters.ad")
 
 # ``LinearizeTrace.is_vjp`` (JAX 0.9 on) tells ``jax.linearize`` from reverse
 # mode; JAX 0.7 and 0.8 cannot tell, and both count as reverse mode.
@@ -245,15 +239,11 @@ def _over_partial_eval(frame: Any) -> bool:
     return isinstance(getattr(frame.f_locals.get("self"), "parent_trace", None), _JaxprTrace)
 
 
-def differentiation(caller: Literal["custom_vjp fwd", "custom_jvp rule", "apply"]) -> str | None:
+def differentiation(caller: Literal["custom_jvp rule", "apply"]) -> str | None:
     """How JAX is differentiating the call being made: ``"jvp"``, ``"linearize"``, ``"vjp"`` or None.
 
     ``caller`` says where the question is asked:
 
-    - ``"custom_vjp fwd"``: a ``custom_vjp`` forward rule, run by a trace's
-      ``process_custom_vjp_call``. Why: forward mode of a ``custom_vjp``
-      fails later (at evaluation or lowering, outside vjpkit) with JAX's
-      "can't apply forward-mode autodiff", which cannot name the class.
     - ``"custom_jvp rule"``: a primitive bound in a ``custom_jvp`` rule. Why:
       reverse mode only records vjpkit's ``linear_call`` to transpose it, and
       must not trace the Function's jvp to learn its effects.
@@ -269,44 +259,20 @@ def differentiation(caller: Literal["custom_vjp fwd", "custom_jvp rule", "apply"
             if isinstance(trace, _LinearizeTrace):
                 return "vjp" if getattr(trace, "is_vjp", True) else "linearize"
         return None
-    direct = _direct_linearize.value
+    # A primitive bound in a custom_jvp rule.
     callers = _frames_from(sys._getframe(1))
-    if caller == "custom_jvp rule":
-        if direct:  # reverse mode and jax.linearize run the rule from a LinearizeTrace method
-            for frame in callers:
-                if frame.f_code is _LINEARIZE_CUSTOM_JVP or frame.f_code is _LINEARIZE_PRIMITIVE:
-                    return "vjp" if _is_vjp(frame) else "linearize"
-            return None
-        # Before JAX 0.7 reverse mode runs it from a JVPTrace over partial evaluation.
-        if isinstance(_trace_ctx.trace, _JaxprTrace):
-            return "vjp"
+    if _direct_linearize.value:  # reverse mode and jax.linearize run the rule from a LinearizeTrace method
         for frame in callers:
-            if (frame.f_code is _JVP_CUSTOM_JVP or frame.f_code is _JVP_PRIMITIVE) and _over_partial_eval(frame):
-                return "vjp"
+            if frame.f_code is _LINEARIZE_CUSTOM_JVP or frame.f_code is _LINEARIZE_PRIMITIVE:
+                return "vjp" if _is_vjp(frame) else "linearize"
         return None
-    # A custom_vjp forward rule.
-    if direct:
-        jvp_frame = linearize_frame = None
-        for frame in itertools.islice(callers, 32):  # the rule's caller is near
-            if jvp_frame is None and frame.f_code is _JVP_CUSTOM_VJP:
-                jvp_frame = frame
-            elif linearize_frame is None and frame.f_code is _LINEARIZE_CUSTOM_VJP:
-                linearize_frame = frame
-        # A JVPTrace under linearize_from_jvp is reverse mode.
-        if jvp_frame is not None and not any(f.f_code is _LINEARIZE_FROM_JVP for f in _frames_from(jvp_frame)):
-            return "jvp"
-        if linearize_frame is not None:
-            return "vjp" if _is_vjp(linearize_frame) else "linearize"
-        return None if jvp_frame is None else "vjp"
-    # Before JAX 0.7 reverse mode runs it from a JVPTrace over partial evaluation
-    # (directly, or around the jit, checkpoint or scan whose JVP traces it).
-    in_jvp = False
+    # Before JAX 0.7 reverse mode runs it from a JVPTrace over partial evaluation.
+    if isinstance(_trace_ctx.trace, _JaxprTrace):
+        return "vjp"
     for frame in callers:
-        if frame.f_code is _JVP_CUSTOM_VJP or frame.f_code is _JVP_PRIMITIVE:
-            if _over_partial_eval(frame):
-                return "vjp"
-            in_jvp = True
-    return "jvp" if in_jvp else None
+        if (frame.f_code is _JVP_CUSTOM_JVP or frame.f_code is _JVP_PRIMITIVE) and _over_partial_eval(frame):
+            return "vjp"
+    return None
 
 
 # ---------------------------------------------------------------------------
