@@ -21,9 +21,11 @@ checks are vjpkit's own. Each derivative is again a generated Function:
 
 - level 0 runs the original (``Cls.apply`` or the callable);
 - level k+1 is the vector-Jacobian product of level k, computed by torch
-  autograd (``torch.autograd.grad``), which calls the class's own
-  ``backward`` with ``needs_input_grad``, ``mark_non_differentiable``,
-  ``set_materialize_grads`` and ``once_differentiable`` as in PyTorch.
+  autograd (``torch.autograd.grad``, or ``.backward()`` for a ``reentrant``
+  original), which calls the class's own ``backward`` with
+  ``needs_input_grad``, ``mark_non_differentiable``,
+  ``set_materialize_grads`` and ``once_differentiable`` as in PyTorch; what
+  that backward leaves in an argument's ``.grad`` is part of its gradient.
 
 A torch graph cannot live from one callback to the next (under ``jit`` the
 forward callback may run long before the backward one, or be dropped), so

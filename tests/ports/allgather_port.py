@@ -5,8 +5,10 @@ The port of ``allgather_script.py`` (which runs it on 4 devices) and of
 original on a one-rank process group), on a mesh axis ``"dp"``.
 """
 
+import collective_ports
 import jax
 import jax.numpy as jnp
+from collective_ports import shard_map  # noqa: F401 - the ports' shard_map, re-exported
 
 import vjpkit
 
@@ -41,17 +43,6 @@ class OwnSlot(vjpkit.Function):
         return jnp.stack(grad_outputs)[jax.lax.axis_index(AXIS)]  # a tuple cannot take a traced index
 
 
-if hasattr(jax, "shard_map"):
-    def shard_map(f, **kwargs):  # PyTorch's convention: no varying-type check
-        return jax.shard_map(f, check_vma=False, **kwargs)
-else:  # JAX before 0.6: the experimental shard_map, its replication check off
-    from jax.experimental.shard_map import shard_map as _experimental_shard_map
-
-    def shard_map(f, **kwargs):
-        return _experimental_shard_map(f, check_rep=False, **kwargs)
-
-
 def make_mesh(ranks):
     """A mesh of ``ranks`` devices along AXIS."""
-    axis_type = getattr(jax.sharding, "AxisType", None)  # JAX before 0.5: every mesh axis is Auto
-    return jax.make_mesh((ranks,), (AXIS,), **({"axis_types": (axis_type.Auto,)} if axis_type else {}))
+    return collective_ports.make_mesh(ranks, AXIS)

@@ -6,7 +6,9 @@ originals calling ``torch.distributed`` on a one-rank process group), on a
 mesh axis ``"tp"``.
 """
 
+import collective_ports
 import jax
+from collective_ports import shard_map  # noqa: F401 - the ports' shard_map, re-exported
 
 import vjpkit
 
@@ -62,17 +64,6 @@ class GatherFromModelParallelRegion(vjpkit.Function):
         return split_along_last_dim(grad_output)
 
 
-if hasattr(jax, "shard_map"):
-    def shard_map(f, **kwargs):  # Megatron's convention: no varying-type check
-        return jax.shard_map(f, check_vma=False, **kwargs)
-else:  # JAX before 0.6: the experimental shard_map, its replication check off
-    from jax.experimental.shard_map import shard_map as _experimental_shard_map
-
-    def shard_map(f, **kwargs):
-        return _experimental_shard_map(f, check_rep=False, **kwargs)
-
-
 def make_mesh(ranks):
     """A mesh of ``ranks`` devices along AXIS."""
-    axis_type = getattr(jax.sharding, "AxisType", None)  # JAX before 0.5: every mesh axis is Auto
-    return jax.make_mesh((ranks,), (AXIS,), **({"axis_types": (axis_type.Auto,)} if axis_type else {}))
+    return collective_ports.make_mesh(ranks, AXIS)
