@@ -21,9 +21,11 @@ checks are vjpkit's own. Each derivative is again a generated Function:
 
 - level 0 runs the original (``Cls.apply`` or the callable);
 - level k+1 is the vector-Jacobian product of level k, computed by torch
-  autograd (``torch.autograd.grad``), which calls the class's own
-  ``backward`` with ``needs_input_grad``, ``mark_non_differentiable``,
-  ``set_materialize_grads`` and ``once_differentiable`` as in PyTorch.
+  autograd (``torch.autograd.grad``, or ``.backward()`` for a ``reentrant``
+  original), which calls the class's own ``backward`` with
+  ``needs_input_grad``, ``mark_non_differentiable``,
+  ``set_materialize_grads`` and ``once_differentiable`` as in PyTorch; what
+  that backward leaves in an argument's ``.grad`` is part of its gradient.
 
 A torch graph cannot live from one callback to the next (under ``jit`` the
 forward callback may run long before the backward one, or be dropped), so
@@ -54,7 +56,7 @@ from ._tree import Partition, partition
 __all__ = ["from_torch"]
 
 
-def from_torch(obj: Any, *, copy_inputs: bool = False) -> Any:
+def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False) -> Any:
     """Wraps a ``torch.autograd.Function`` subclass, or a torch callable, as a JAX function.
 
     Args:
@@ -65,6 +67,12 @@ def from_torch(obj: Any, *, copy_inputs: bool = False) -> Any:
             views. Needed when the original writes into its inputs or its
             gradients in place (``x.add_(1)`` with ``ctx.mark_dirty(x)``,
             ``grad_output[mask] = 0``): a view would write into JAX's buffer.
+        reentrant: compute gradients with ``torch.autograd.backward(outputs,
+            cotangents)`` (no ``inputs``) instead of ``torch.autograd.grad``.
+            Needed when the original's backward refuses ``torch.autograd.grad``
+            (PyTorch's reentrant checkpoint and its copies). Then every leaf
+            the original reaches accumulates ``.grad``, as under ``.backward()``
+            in PyTorch; from_torch reads its own leaves' and clears them.
 
     Returns:
         A vjpkit Function class (for a Function subclass) or its ``apply``.
@@ -76,7 +84,7 @@ def from_torch(obj: Any, *, copy_inputs: bool = False) -> Any:
     """
     torch = _import_torch()
     if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
-        return _from_function_class(torch, obj, copy_inputs)
+        return _from_function_class(torch, obj, copy_inputs, reentrant)
     if isinstance(obj, type) and issubclass(obj, Function):
         raise TypeError(
             f"vjpkit.from_torch({obj.__name__}): {obj.__name__} is already a vjpkit Function; "
@@ -87,7 +95,7 @@ def from_torch(obj: Any, *, copy_inputs: bool = False) -> Any:
             f"vjpkit.from_torch expects a torch.autograd.Function subclass or a callable of "
             f"tensors, got {type(obj).__name__}."
         )
-    return _from_callable(torch, obj, copy_inputs)
+    return _from_callable(torch, obj, copy_inputs, reentrant)
 
 
 def _import_torch() -> Any:
@@ -104,7 +112,7 @@ def _import_torch() -> Any:
 # The two fronts: a Function class and a callable.
 
 
-def _from_function_class(torch: Any, cls: Any, copy_inputs: bool) -> Any:
+def _from_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: bool) -> Any:
     base = torch.autograd.Function
     name = cls.__name__
     new_style = _defines(cls, base, "setup_context")
@@ -120,6 +128,7 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool) -> Any:
         backward_name=f"{name}.backward",
         params=params,
         copy_inputs=copy_inputs,
+        reentrant=reentrant,
         # torch.func.vmap runs the class's own batching rule; it needs setup_context.
         batching_rule=new_style and (_defines(cls, base, "vmap") or bool(getattr(cls, "generate_vmap_rule", False))),
         has_jvp=_defines(cls, base, "jvp"),
@@ -128,7 +137,7 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool) -> Any:
     return _level_zero_class(origin, differentiable=backward is not None, doc=cls.__doc__)
 
 
-def _from_callable(torch: Any, fn: Callable, copy_inputs: bool) -> Callable:
+def _from_callable(torch: Any, fn: Callable, copy_inputs: bool, reentrant: bool) -> Callable:
     name = getattr(fn, "__name__", type(fn).__name__).replace("<lambda>", "lambda")
     origin = _Origin(
         torch=torch,
@@ -138,6 +147,7 @@ def _from_callable(torch: Any, fn: Callable, copy_inputs: bool) -> Callable:
         backward_name=f"{name} (torch autograd)",
         params=list(inspect.signature(fn).parameters.values()),
         copy_inputs=copy_inputs,
+        reentrant=reentrant,
         batching_rule=False,
         has_jvp=True,  # torch's own forward derivatives of its operations
         once=False,
@@ -169,7 +179,8 @@ class _Origin:
     """The original: how to call it, and how to name it in errors."""
 
     def __init__(self, *, torch: Any, name: str, call: Callable, forward_name: str, backward_name: str,
-                 params: list, copy_inputs: bool, batching_rule: bool, has_jvp: bool, once: bool):
+                 params: list, copy_inputs: bool, reentrant: bool, batching_rule: bool, has_jvp: bool,
+                 once: bool):
         self.torch = torch
         self.name = name
         self.call = call
@@ -178,6 +189,7 @@ class _Origin:
         self.params = params
         self.keyword_only = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
         self.copy_inputs = copy_inputs
+        self.reentrant = reentrant  # gradients by .backward() without inputs, not torch.autograd.grad
         self.batching_rule = batching_rule
         self.has_jvp = has_jvp  # whether torch's forward AD can run the original
         self.once = once  # whether the original's backward is once_differentiable
@@ -370,12 +382,7 @@ class _Program:
             with_cotangent = [o for o, g in zip(differentiable, given, strict=True) if g]
             pairs = [(o, c) for o, c in zip(with_cotangent, cts, strict=True) if o is not None and o.requires_grad]
             targets = [x for x, w in zip(xs, wanted, strict=True) if w]
-            if pairs:
-                grads = torch.autograd.grad([o for o, _ in pairs], targets, [c for _, c in pairs],
-                                            create_graph=create_graph, allow_unused=True)
-            else:
-                grads = [None] * len(targets)
-            return list(grads)
+            return _torch_gradients(torch, pairs, targets, create_graph, origin.reentrant)
 
         diff_out = [k for k, d in zip(inner.out_kinds, inner.differentiable_out, strict=True) if d]
         in_kinds = (*inner.in_kinds, *(k for k, g in zip(diff_out, given, strict=True) if g))
@@ -473,7 +480,14 @@ class _Program:
             if not _reraisable(e):
                 raise
             raise type(e)(f"{self.method} (PyTorch, run by vjpkit.from_torch) raised "
-                          f"{type(e).__name__}: {e}") from e
+                          f"{type(e).__name__}: {e}{self._hint(e)}") from e
+
+    def _hint(self, e: Exception) -> str:
+        # PyTorch's reentrant checkpoint (and its copies) refuse torch.autograd.grad, naming .grad().
+        if self.origin.reentrant or ".grad()" not in str(e):
+            return ""
+        return (f"\n{self.origin.name} needs a full .backward() (a reentrant backward, as in PyTorch's "
+                f"checkpoint): pass reentrant=True to vjpkit.from_torch.")
 
     def _check_unchanged(self, tensors: list, versions: list) -> None:
         for k, (t, v) in enumerate(zip(tensors, versions, strict=True)):
@@ -487,6 +501,34 @@ class _Program:
     def _to_numpy(self, outs: Sequence[Any], kinds: Sequence[tuple] | None = None) -> list:
         kinds = self.out_kinds if kinds is None else kinds
         return [_numpy_of(self.origin.torch, o, shape, dtype) for o, (shape, dtype) in zip(outs, kinds, strict=True)]
+
+
+def _torch_gradients(torch: Any, pairs: list, targets: list, create_graph: bool, reentrant: bool) -> list:
+    """The targets' gradients: what torch's backward computes, plus what the original's own
+    backward put into their ``.grad`` (``None`` for a zero).
+
+    The targets are leaves that from_torch made. Torch computes their gradients by
+    ``torch.autograd.grad``, or, for a ``reentrant`` original, by ``.backward()`` without
+    ``inputs``, the one call PyTorch's reentrant checkpoint accepts. Either way ``.grad`` is read
+    afterwards: a backward that runs a backward of its own (RevTorch's reversible block, a
+    checkpoint) delivers gradients by side effect, into the leaves the caller passed in.
+    """
+    outputs, cotangents = [o for o, _ in pairs], [c for _, c in pairs]
+    found: list = [None] * len(targets)
+    if pairs and reentrant:
+        # .grad keeps a forward-mode tangent (forward over reverse) only when the graph is kept.
+        dual = any(torch.autograd.forward_ad.unpack_dual(o).tangent is not None for o in outputs)
+        with warnings.catch_warnings():  # create_graph with .backward(): a reference cycle, undone below
+            warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
+            torch.autograd.backward(outputs, cotangents, create_graph=create_graph or dual)
+    elif pairs:
+        found = list(torch.autograd.grad(outputs, targets, cotangents, create_graph=create_graph,
+                                         allow_unused=True))
+    for k, t in enumerate(targets):
+        if t.grad is not None:  # taken off the leaf: a higher order reuses it as an input
+            found[k] = t.grad if found[k] is None else found[k] + t.grad
+            t.grad = None
+    return found
 
 
 def _reraisable(e: Exception) -> bool:
@@ -539,7 +581,10 @@ def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[li
     torch = program.origin.torch
     meta = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device="meta") for shape, dtype in program.in_kinds]
     try:
-        with torch.no_grad():
+        # Warnings about these made-up calls (torch's checkpoint: "None of the inputs have
+        # requires_grad=True") would surface at trace time for calls the user never made.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             run(meta, False)
     except Exception:
         # Positive values first (steps, scales, norms), then both signs; torch's error from the last.
@@ -548,7 +593,8 @@ def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[li
             rng = np.random.default_rng(0)
             samples = [torch.from_dlpack(_sample(rng, shape, dtype, low)) for shape, dtype in program.in_kinds]
             try:
-                with torch.no_grad():
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
                     program._guarded(run, samples, False)
                 break
             except Exception:

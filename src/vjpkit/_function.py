@@ -697,6 +697,19 @@ def function(cls: type | None = None, /, **options: Any) -> Any:
     return wrap if cls is None else wrap(cls)
 
 
+def reject_torch_function(fn: Any, where: str) -> None:
+    """Raises when ``fn`` is a ``torch.autograd.Function`` subclass or its ``apply``, passed where a
+    JAX function is expected: it would be called with JAX arrays, and fail somewhere inside torch."""
+    cls = fn if isinstance(fn, type) else getattr(fn, "__self__", None)
+    if isinstance(cls, type) and _is_torch_function(cls):
+        name = cls.__name__
+        raise TypeError(
+            f"{where}: {name} is a torch.autograd.Function, which takes torch tensors, not JAX arrays. "
+            f"Pass vjpkit.from_torch({name}).apply to run the original inside JAX, or its port "
+            "(a vjpkit.Function; see the porting guide, docs/porting.md)."
+        )
+
+
 def _is_torch_function(cls: type) -> bool:
     """Whether ``cls`` subclasses ``torch.autograd.Function``, without importing torch."""
     return any(
