@@ -295,8 +295,8 @@ def _same(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
     return input
 
 
-for _name in ("to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "short", "bool",
-              "byte", "char", "cpu", "cuda", "clone", "contiguous", "detach", "requires_grad_", "positive",
+for _name in ("type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "short", "bool",
+              "byte", "char", "clone", "contiguous", "detach", "requires_grad_", "positive",
               "__pos__", "new_tensor", "resolve_conj", "resolve_neg"):
     _rule(_name, view=_name in ("detach", "contiguous"))(_same)
 RULES["torch.Tensor.data.__get__"] = _same

@@ -156,15 +156,55 @@ _FILLS: dict[str, Callable] = {
 def _check_no_nested_function(name: str, args: tuple) -> None:
     """A ``torch.autograd.Function``'s ``apply`` inside a traced method runs in torch's C++, out of reach.
 
-    Its outputs come back as plain meta tensors with no value: name the Function.
+    Under grad mode (backward, a callable) its outputs carry its autograd node,
+    and JAX would differentiate its forward's operations instead of running
+    its backward; outputs that are plain meta tensors have no value. Both
+    name the Function. (In a traced forward, which runs without grad as in
+    torch, a nested Function's forward runs inline: its backward is never used.)
     """
+    if not _state["grad"]:
+        return
     for arg in jax.tree_util.tree_leaves(args, is_leaf=_is_tensor):
-        if isinstance(arg, torch.Tensor) and not isinstance(arg, TracedTensor) and arg.is_meta:
+        if not isinstance(arg, torch.Tensor):
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
             node = arg.grad_fn
+        if node is not None or (arg.is_meta and not isinstance(arg, TracedTensor)):
             inner = getattr(type(node), "_forward_cls", None)
             what = f"{inner.__name__}.apply" if inner is not None else "a tensor with no traced value"
             raise Untraceable(what, "(a torch.autograd.Function called inside the original) runs in torch's "
                               f"C++ autograd, out of the trace's reach; its output reached {name}")
+
+
+def _reads_value(name: str) -> Callable:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise Untraceable(name, "needs the tensor's value, known only when the program runs (data-dependent "
+                          "Python control flow, .item(), NumPy)")
+
+    return refuse
+
+
+def _moved(t: TracedTensor, *args: Any, **kwargs: Any) -> Any:
+    """``.cpu()``, ``.to(device, dtype)``: devices are XLA's business; a dtype is a cast."""
+    dtypes = [a.dtype if _is_tensor(a) else a for a in (*args, kwargs.get("dtype"))
+              if isinstance(a, torch.dtype) or _is_tensor(a)]
+    if not dtypes or dtypes[0] == t.dtype:
+        return t
+    return stand_in(t._value.astype(jax_dtype(dtypes[0])), t._meta.to(dtypes[0]))
+
+
+def _new(t: TracedTensor, *args: Any, **kwargs: Any) -> Any:
+    """The legacy ``x.new(...)``: of another tensor, its values; of sizes, uninitialized (here zeros)."""
+    if len(args) == 1 and _is_tensor(args[0]):
+        source = args[0]
+        value = _to_jax(source).astype(jax_dtype(t.dtype))
+        out = stand_in(value, meta_of(value, t.dtype))
+        out._aliased = True  # it shares the source's storage
+        return out
+    if all(isinstance(a, int) for a in args) and not kwargs:
+        meta = t._meta.new_empty(args)
+        return stand_in(jnp.zeros(tuple(meta.shape), jax_dtype(meta.dtype)), meta)
+    raise Untraceable("torch.Tensor.new", "is traced only for a tensor or sizes")
 
 
 def _repr(t: TracedTensor, *args: Any) -> str:
@@ -179,6 +219,15 @@ _SPECIAL: dict[str, Callable] = {
     "torch.Tensor.__repr__": _repr,
     "torch.Tensor.__str__": _repr,
     "torch.Tensor.__format__": _repr,
+    "torch.Tensor.cpu": _moved,
+    "torch.Tensor.cuda": _moved,
+    "torch.Tensor.to": _moved,
+    "torch.Tensor.new": _new,
+    **{f"torch.Tensor.{name}": _reads_value(f"torch.Tensor.{name}") for name in (
+        "__bool__", "__float__", "__int__", "__index__", "__complex__", "item", "tolist", "numpy", "__array__",
+        "data_ptr", "nonzero", "unique", "masked_select", "argwhere")},
+    **{f"torch.{name}": _reads_value(f"torch.{name}") for name in (
+        "nonzero", "unique", "masked_select", "argwhere", "is_nonzero", "equal")},
 }
 
 
@@ -208,6 +257,7 @@ def _to_meta(x: Any) -> Any:
 
 def _to_jax(x: Any) -> Any:
     if isinstance(x, TracedTensor):
+        _check_no_nested_function("the original's result", (x,))
         return x._value
     if isinstance(x, torch.Tensor):  # a constant made by torch while tracing (torch.arange, torch.tensor)
         return _constant(x)
@@ -216,7 +266,8 @@ def _to_jax(x: Any) -> Any:
 
 def _constant(t: torch.Tensor) -> Any:
     if t.is_meta:
-        _check_no_nested_function("a torch operation", (t,))
+        _check_no_nested_function("the original's result", (t,))
+        raise Untraceable("a meta tensor", "has no value")
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:
         return jnp.asarray(t.float().numpy(), jnp.bfloat16)
