@@ -98,7 +98,7 @@ def _elementwise(names: str, fn: Callable, functional: bool = False) -> None:
     _rule(*names.split(), functional=functional)(rule)
 
 
-for _names, _fn in {
+_ARITHMETIC: dict[str, Callable[..., Any]] = {
     "exp": jnp.exp, "exp2": jnp.exp2, "expm1": jnp.expm1, "log": jnp.log, "log2": jnp.log2, "log10": jnp.log10,
     "log1p": jnp.log1p, "sqrt": jnp.sqrt, "rsqrt": lax.rsqrt, "sin": jnp.sin, "cos": jnp.cos, "tan": jnp.tan,
     "asin arcsin": jnp.arcsin, "acos arccos": jnp.arccos, "atan arctan": jnp.arctan, "sinh": jnp.sinh,
@@ -123,10 +123,11 @@ for _names, _fn in {
     "bitwise_and __and__ __rand__": jnp.bitwise_and, "bitwise_or __or__ __ror__": jnp.bitwise_or,
     "bitwise_xor __xor__ __rxor__": jnp.bitwise_xor,
     "lerp": lambda x, end, weight: x + weight * (end - x),
-}.items():
+}
+for _names, _fn in _ARITHMETIC.items():
     _elementwise(_names, _fn)
 
-for _names, _fn in {
+_ACTIVATIONS: dict[str, Callable[..., Any]] = {  # also in torch.nn.functional
     "relu": jax.nn.relu, "relu6": jax.nn.relu6, "silu": jax.nn.silu, "selu": jax.nn.selu,
     "logsigmoid": jax.nn.log_sigmoid, "hardsigmoid": lambda x, inplace=False: jnp.clip(x / 6 + 0.5, 0, 1),
     "hardswish": lambda x, inplace=False: x * jnp.clip(x / 6 + 0.5, 0, 1),
@@ -137,7 +138,8 @@ for _names, _fn in {
     "leaky_relu": lambda x, negative_slope=0.01, inplace=False: jax.nn.leaky_relu(x, negative_slope),
     "gelu": lambda x, approximate="none": jax.nn.gelu(x, approximate=approximate == "tanh"),
     "hardtanh": lambda x, min_val=-1.0, max_val=1.0, inplace=False: _clamp_values(x, min_val, max_val),
-}.items():
+}
+for _names, _fn in _ACTIVATIONS.items():
     _elementwise(_names, _fn, functional=True)
 
 
@@ -216,9 +218,11 @@ def _reduction(names: str, fn: Callable) -> None:
     _rule(*names.split())(rule)
 
 
-for _names, _fn in {"sum": jnp.sum, "mean": jnp.mean, "prod": jnp.prod, "amax": jnp.max, "amin": jnp.min,
-                    "nansum": jnp.nansum, "nanmean": jnp.nanmean, "logsumexp": jax.scipy.special.logsumexp,
-                    "any": jnp.any, "all": jnp.all}.items():
+_REDUCTIONS: dict[str, Callable[..., Any]] = {
+    "sum": jnp.sum, "mean": jnp.mean, "prod": jnp.prod, "amax": jnp.max, "amin": jnp.min, "nansum": jnp.nansum,
+    "nanmean": jnp.nanmean, "logsumexp": jax.scipy.special.logsumexp, "any": jnp.any, "all": jnp.all,
+}
+for _names, _fn in _REDUCTIONS.items():
     _reduction(_names, _fn)
 
 
@@ -258,9 +262,9 @@ for _which, _fn in (("var", jnp.var), ("std", jnp.std)):
 
 
 RULES["torch.cumsum"] = RULES["torch.Tensor.cumsum"] = (
-    lambda out, input, dim, *, dtype=None: jnp.cumsum(*_in(out, input), axis=dim))
+    lambda out, input, dim, *, dtype=None: jnp.cumsum(_in(out, input)[0], axis=dim))
 RULES["torch.cumprod"] = RULES["torch.Tensor.cumprod"] = (
-    lambda out, input, dim, *, dtype=None: jnp.cumprod(*_in(out, input), axis=dim))
+    lambda out, input, dim, *, dtype=None: jnp.cumprod(_in(out, input)[0], axis=dim))
 
 
 for _which, _fn in (("softmax", jax.nn.softmax), ("log_softmax", jax.nn.log_softmax)):
