@@ -315,6 +315,12 @@ def test_an_unmapped_op_is_named():
         vjpkit.from_torch(TFft, mode="trace").apply(X)
 
 
+def test_a_random_draw_is_named_not_frozen_into_the_program():
+    noisy = vjpkit.from_torch(lambda x: x + torch.randn(3), mode="trace")
+    with pytest.raises(NotImplementedError, match=r"lambda calls torch.randn, which draws random numbers"):
+        noisy(X)
+
+
 def test_auto_falls_back_to_callbacks_for_an_untraceable_original():
     auto = vjpkit.from_torch(TItem, mode="auto")
     assert not no_callback(auto.apply, X)

@@ -385,13 +385,29 @@ class TracedCtx:
         return jax.tree_util.tree_map(_release, value, is_leaf=lambda x: isinstance(x, _Held))
 
 
+_RANDOM = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson", "rand_like",
+           "randn_like", "randint_like", "uniform_", "normal_", "bernoulli_", "exponential_", "random_",
+           "cauchy_", "geometric_", "log_normal_", "dropout", "alpha_dropout", "feature_alpha_dropout"}
+
+
+class _NoRandomness(torch.overrides.TorchFunctionMode):
+    """Refuses random draws while tracing: a draw made at trace time would be one constant in every call."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = resolve_name(func) or getattr(func, "__name__", "")
+        if name.rsplit(".", 1)[-1] in _RANDOM:
+            raise Untraceable(name, "draws random numbers, which a compiled program would draw once, at trace "
+                              "time (pass a JAX key to a port instead)")
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def running(where: str, grad: bool) -> Iterator[None]:
     """Runs one of the original's methods: ``Untraceable`` says where; a value read on a meta tensor is one."""
     before = _state["grad"]
     _state["grad"] = grad
     try:
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), _NoRandomness():
             yield
     except Untraceable as e:
         e.where = e.where or where
