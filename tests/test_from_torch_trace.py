@@ -12,37 +12,11 @@ import pytest
 import vjpkit
 
 torch = pytest.importorskip("torch")  # CI installs the torch extra
-from torch.autograd.function import once_differentiable  # noqa: E402
+from test_from_torch import TCube, TExp, TExpWithVmapRule, TMul, TSin, TTwoOutputs  # noqa: E402  (shared originals)
 
 X = np.array([0.3, -1.2, 2.0], np.float32)
 
 
-class TExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = x.exp()
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y
-
-
-class TMul(torch.autograd.Function):
-    needs: list = []
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a * b
-
-    @staticmethod
-    def backward(ctx, g):
-        TMul.needs.append(tuple(ctx.needs_input_grad))
-        a, b = ctx.saved_tensors
-        return (g * b if ctx.needs_input_grad[0] else None, g * a if ctx.needs_input_grad[1] else None)
 
 
 class TSort(torch.autograd.Function):
@@ -64,49 +38,7 @@ class TSort(torch.autograd.Function):
         return g, None
 
 
-class TTwoOutputs(torch.autograd.Function):
-    got_none: list = []
 
-    @staticmethod
-    def forward(ctx, x):
-        ctx.set_materialize_grads(False)
-        return 2 * x, 3 * x
-
-    @staticmethod
-    def backward(ctx, ga, gb):
-        TTwoOutputs.got_none.append((ga is None, gb is None))
-        return 2 * ga if gb is None else 2 * ga + 3 * gb
-
-
-class TCube(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x ** 3
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 3 * x ** 2 * g
-
-
-class TSin(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_forward(x)
-        ctx.save_for_backward(x)
-        return x.sin()
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * x.cos()
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return t * x.cos()
 
 
 class TSeesRequiresGrad(torch.autograd.Function):
@@ -141,24 +73,6 @@ class TFft(torch.autograd.Function):
     def backward(ctx, g):
         return g
 
-
-class TExpWithVmapRule(torch.autograd.Function):
-    @staticmethod
-    def forward(x):
-        return x.exp()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output)
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y
-
-    @staticmethod
-    def vmap(info, in_dims, x):
-        return x.exp(), in_dims[0]
 
 
 def no_callback(fn, *args):
