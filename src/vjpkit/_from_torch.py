@@ -56,7 +56,7 @@ from ._tree import Partition, partition
 __all__ = ["from_torch"]
 
 
-def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False) -> Any:
+def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, mode: str = "callback") -> Any:
     """Wraps a ``torch.autograd.Function`` subclass, or a torch callable, as a JAX function.
 
     Args:
@@ -73,6 +73,12 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False) 
             (PyTorch's reentrant checkpoint and its copies). Then every leaf
             the original reaches accumulates ``.grad``, as under ``.backward()``
             in PyTorch; from_torch reads its own leaves' and clears them.
+        mode: ``"callback"`` runs the original on the host on every call;
+            ``"trace"`` runs its torch operations as JAX operations, compiled
+            with the rest of the program (an operation with no JAX rule, or
+            code that reads a value, raises ``NotImplementedError`` naming
+            it); ``"auto"`` traces where the original traces on a call's
+            signature, and uses callbacks otherwise.
 
     Returns:
         A vjpkit Function class (for a Function subclass) or its ``apply``.
@@ -82,9 +88,13 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False) 
     differentiate), it cannot be fused or sharded by XLA, and forward mode
     needs the original's ``jvp`` (or torch's forward AD, for a callable).
     """
+    if mode not in _MODES:
+        raise ValueError(f"vjpkit.from_torch: mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}.")
     torch = _import_torch()
     if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
-        return _from_function_class(torch, obj, copy_inputs, reentrant)
+        if mode == "callback":
+            return _from_function_class(torch, obj, copy_inputs, reentrant)
+        return _traced_function_class(torch, obj, copy_inputs, reentrant, mode)
     if isinstance(obj, type) and issubclass(obj, Function):
         raise TypeError(
             f"vjpkit.from_torch({obj.__name__}): {obj.__name__} is already a vjpkit Function; "
@@ -95,7 +105,42 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False) 
             f"vjpkit.from_torch expects a torch.autograd.Function subclass or a callable of "
             f"tensors, got {type(obj).__name__}."
         )
-    return _from_callable(torch, obj, copy_inputs, reentrant)
+    if mode == "callback":
+        return _from_callable(torch, obj, copy_inputs, reentrant)
+    from . import _torch_trace
+
+    name = getattr(obj, "__name__", type(obj).__name__).replace("<lambda>", "lambda")
+    traced = _torch_trace.trace_callable(obj, name)
+    if mode == "auto":
+        traced = _torch_trace.auto(traced, _from_callable(torch, obj, copy_inputs, reentrant), name)
+    traced = functools.wraps(obj)(traced)
+    traced._vjpkit_from_torch = True  # type: ignore[attr-defined]
+    return traced
+
+
+_MODES = ("callback", "trace", "auto")
+
+
+def _traced_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: bool, mode: str) -> Any:
+    """``from_torch(cls, mode="trace")``, or ``"auto"``: the class's methods as JAX operations."""
+    from . import _torch_trace
+
+    base = torch.autograd.Function
+    new_style = _defines(cls, base, "setup_context")
+    if new_style and (_defines(cls, base, "vmap") or getattr(cls, "generate_vmap_rule", False)):
+        if mode == "auto":
+            return _from_function_class(torch, cls, copy_inputs, reentrant)
+        raise _torch_trace.Untraceable(f"{cls.__name__}.vmap", "is torch's batching rule; trace mode batches "
+                                       "the traced operations and would ignore it (use mode='callback' or 'auto')")
+    params = list(inspect.signature(cls.forward).parameters.values())[0 if new_style else 1:]
+    backward = cls.backward if _defines(cls, base, "backward") else None
+    traced = _torch_trace.trace_function_class(
+        cls, params, new_style=new_style, has_backward=backward is not None, has_jvp=_defines(cls, base, "jvp"),
+        once=backward is not None and _is_torch_once_differentiable(backward))
+    if mode == "trace":
+        return traced
+    callback = _from_function_class(torch, cls, copy_inputs, reentrant)
+    return _torch_trace.Either(cls.__name__, _torch_trace.auto(traced.apply, callback.apply, cls.__name__))
 
 
 def _import_torch() -> Any:
