@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import vjpkit
-from vjpkit._function import _Program
+from vjpkit._program import _Program
 
 X = jnp.array([0.5, -1.0, 2.0])
 

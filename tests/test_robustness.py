@@ -15,8 +15,8 @@ import pytest
 from functions import make_mul
 
 import vjpkit
-from vjpkit._function import _Program
 from vjpkit._jax_internals import JAX_KEEPS_TRANSPOSED_JITS
+from vjpkit._program import _Program
 
 # ---------------------------------------------------------------------------
 # Threads

@@ -38,7 +38,7 @@ from ._ctx import _short_repr, is_array, rule_ctx
 from ._jax_internals import Primitive, ad, batching, mlir
 from ._linear_call import linear_call
 from ._outputs import Packed, _fit_dtype, is_differentiable_dtype
-from ._program import Program, ResidualMeta, Residuals, as_arrays, no_forward_mode, run_user_method
+from ._runner import Program, ResidualMeta, Residuals, as_arrays, no_forward_mode, run_user_method
 
 
 class OwnDerivative:
