@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import vjpkit
-from vjpkit._program import _Program
+from vjpkit._program import Program
 
 X = jnp.array([0.5, -1.0, 2.0])
 
@@ -252,7 +252,7 @@ def test_cache_drops_the_least_recently_used_program():
 def _alive_programs_of(cls) -> int:
     """Programs of ``cls`` still alive (held by anything: the cache, a remembered call, JAX's caches)."""
     gc.collect()
-    return sum(1 for o in gc.get_objects() if type(o) is _Program and o.spec.forward is cls.forward)
+    return sum(1 for o in gc.get_objects() if type(o) is Program and o.spec.forward is cls.forward)
 
 
 def _scale(calls, **options):
@@ -278,7 +278,7 @@ def test_dropped_programs_are_freed_whatever_way_they_were_called():
     Scale = _scale(calls, cache_size=2)
     Scale.apply(X, jnp.float32(2.0))  # all arrays
     Scale.apply(X, jnp.float32(2.0))
-    alive = weakref.WeakSet(o for o in gc.get_objects() if type(o) is _Program and o.spec.forward is Scale.forward)
+    alive = weakref.WeakSet(o for o in gc.get_objects() if type(o) is Program and o.spec.forward is Scale.forward)
     Scale.apply(X, 2.0)
     Scale.apply(X, 3.0)  # drops the program of an array c
     assert Scale.cache_info().programs == 2

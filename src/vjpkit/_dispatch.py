@@ -16,7 +16,7 @@ from ._args import as_jax_leaf
 from ._caches import on_clear
 from ._ctx import is_array
 from ._outputs import Packed
-from ._program import _Program, no_forward_mode
+from ._program import Program, no_forward_mode
 from ._runner import Spec
 from ._tree import Partition, Unkeyable, dict_key_types, find_tracer, static_key
 
@@ -79,7 +79,7 @@ class _Entry:
 
     __slots__ = ("key", "program", "jitted", "on_arrays", "routes", "used")
 
-    def __init__(self, key: Any, program: _Program, jits: tuple[Callable, Callable] | None):
+    def __init__(self, key: Any, program: Program, jits: tuple[Callable, Callable] | None):
         self.key = key  # the program's key in _Cache.programs
         self.program = program
         # Its jits (None for ``jit = False``): for calls on tracers, and on concrete arrays.
@@ -288,7 +288,7 @@ class _Cache:
             entry = self.programs.get(key)
             if entry is None:
                 self.misses += 1
-                program = _Program(spec, layout, len(values), anomaly)
+                program = Program(spec, layout, len(values), anomaly)
                 # Under detect_anomaly a top-level call runs op by op: a check then raises at the
                 # call (and in an eager jax.grad's backward pass), not from inside a jit. Not across
                 # processes: an eager callback sees only local data, a jitted one every device's.
@@ -403,7 +403,7 @@ def _run_unjitted(entry: _Entry, *arrays: Any) -> Any:
     return entry.program.differentiable(*map(as_jax_leaf, arrays))
 
 
-def _reraise(spec: Spec, program: _Program, e: Exception, run: Any) -> None:
+def _reraise(spec: Spec, program: Program, e: Exception, run: Any) -> None:
     """Raises vjpkit's error for a JAX error that it can explain better; returns otherwise."""
     passed_in = getattr(run, "func", None) is _run_unjitted  # a static argument holds an outer tracer
     how = "holds it in a closure passed in" if passed_in or not spec.closes_over_tracer else "closes over it"

@@ -1,8 +1,15 @@
-"""The differentiable function of a program: one ``custom_jvp`` for both modes.
+"""A program: one static part of a call, as one ``jax.custom_jvp`` for both modes, and its ``jit``s.
+
+``Program`` owns the ``custom_jvp`` of the call's array leaves: its primal
+runs the user's forward, and its rule (``Program.rule``) runs forward
+knowing which inputs are differentiated, ties the outputs (``_tie.py``),
+and returns the output tangent as a ``linear_call`` (``_linear_call.py``)
+whose two rules are the Function's own derivative (``OwnDerivative``). The
+user's methods themselves run in ``_runner.py``.
 
 Every Function becomes a ``jax.custom_jvp`` (symbolic zeros, so
 ``needs_input_grad`` is real) whose rule runs the user's forward and returns
-the output tangent through ``_linear_call.linear_call`` (``_tie.OwnDerivative``):
+the output tangent through ``_linear_call.linear_call`` (``OwnDerivative``):
 
 - ``jax.jvp``/``jax.jacfwd`` evaluate that call: the user's ``jvp`` runs
   (a class with only ``backward`` raises, naming the class);
@@ -30,97 +37,54 @@ residuals are constant (``jax.hessian`` fails).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _jax_internals
-from ._outputs import Packed, is_differentiable_dtype
-from ._runner import Program, Spec, as_arrays, no_forward_mode, not_differentiable
-from ._tie import OwnDerivative, tie_outputs
-from ._tree import Partition
-
-_ANY_ARGUMENTS = inspect.signature(lambda *args: None)
-
-
-def forward_mode_function(program: Program) -> Any:
-    """The ``custom_jvp`` of ``program``'s array leaves, returning ``Packed``."""
-    spec = program.spec
-
-    def primal(*arrays: Any) -> Packed:
-        return program.primal(*arrays)
-
-    primal.__name__ = primal.__qualname__ = spec.name
-    primal.__signature__ = _ANY_ARGUMENTS  # type: ignore[attr-defined]  # read by JAX on each call, never built
-    function = jax.custom_jvp(primal)
-
-    def rule(primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
-        return _Rule(program).run(primals, tangents)
-
-    rule.__name__ = rule.__qualname__ = f"{spec.name}.jvp"
-    # JAX would work these out anew on every call while tracing (the same each time).
-    n_arrays = len(program.layout.dynamic)
-    _jax_internals.save_debug_info(primal, "custom_jvp fun", n_arrays)
-    _jax_internals.save_rule_debug_info(rule, "custom_jvp jvp", n_arrays)
-    function.defjvp(rule, symbolic_zeros=True)
-    return function
+from . import _jax_internals, _sharding
+from ._args import as_arrays
+from ._linear_call import linear_call
+from ._outputs import Packed, ResidualMeta, Residuals
+from ._runner import Runner, Spec
+from ._tie import tie_outputs
+from ._tree import Partition, is_differentiable_dtype
 
 
-class _Rule:
-    """One run of the custom_jvp rule: forward, then the tangent via linear_call."""
+class Program:
+    """The differentiable function (and its ``jit``) for one static part of a call (``layout``).
 
-    def __init__(self, program: Program):
-        self.program = program
-
-    def run(self, primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
-        program = self.program
-        spec = program.spec
-        if spec.backward is None and spec.jvp is None:
-            raise not_differentiable(spec)
-        if spec.jvp is None and _jax_internals.differentiation("custom_jvp rule") != "vjp":
-            raise no_forward_mode(spec)
-        arrays = as_arrays(primals)
-        perturbed = [type(t) is not SymbolicZero for t in tangents]
-        tangents = tuple(t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents)
-        needs = program.needs_input_grad(perturbed, arrays)
-        perturbed = [
-            p and is_differentiable_dtype(jnp.result_type(x)) for p, x in zip(perturbed, arrays, strict=True)
-        ]
-        packed, residuals = program.run_forward(arrays, needs, forward_mode=True)
-        # Under a higher-order derivative, outputs and saved outputs differentiate by jvp, not forward's code.
-        packed, residuals = tie_outputs(program, arrays, packed, residuals)
-        in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
-        linear = [d for d, p in enumerate(perturbed) if p]
-        own = OwnDerivative(program, residuals.meta, packed.layout, in_avals, linear, first_order=True)
-
-        tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
-        if linear and own.outputs:
-            # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
-            out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
-            computed = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types)
-            for j, t in zip(own.outputs, computed, strict=True):
-                tangents_out[j] = t
-        return packed, Packed(tuple(tangents_out), packed.layout)
-
-
-# ---------------------------------------------------------------------------
-# One program per static signature.
-
-
-class _Program(Program):
-    """The differentiable function (and its ``jit``) for one static part of a call."""
+    ``differentiable``: the ``custom_jvp`` of the call's array leaves,
+    returning ``Packed``; ``jit()``: new ``jax.jit``s of it. ``runner``
+    runs the user's methods.
+    """
 
     def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
-        super().__init__(spec, layout, n_values, anomaly)
-        # The differentiable function of the array leaves, returning Packed: a
-        # custom_jvp whose rule's tangent transposes to backward (see _forward.py).
-        self.differentiable: Callable = forward_mode_function(self)
+        self.spec = spec
+        self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
+        self.runner = Runner(spec, layout, n_values, anomaly)
+        self.differentiable: Callable = self._custom_jvp()
         # The jit of _jit_body lives in the cache entry, not on the program: JAX's
         # caches keep jaxprs whose custom_jvp rules refer to the program, so a
         # program that referred to its jit would keep that jit's cache key (and
         # compiled executables) alive after vjpkit's cache dropped it.
+
+    def _custom_jvp(self) -> Any:
+        spec, runner = self.spec, self.runner
+        primal = _named(runner.primal, spec.name)
+        function = jax.custom_jvp(primal)
+
+        def rule(primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
+            return self.rule(primals, tangents)
+
+        rule.__name__ = rule.__qualname__ = f"{spec.name}.jvp"
+        # JAX would work these out anew on every call while tracing (the same each time).
+        n_arrays = len(runner.layout.dynamic)
+        _jax_internals.save_debug_info(primal, "custom_jvp fun", n_arrays)
+        _jax_internals.save_rule_debug_info(rule, "custom_jvp jvp", n_arrays)
+        function.defjvp(rule, symbolic_zeros=True)
+        return function
 
     def jit(self) -> tuple[Callable, Callable]:
         """New ``jax.jit``s of the program (one pair per cache entry): for calls on tracers, and on arrays.
@@ -137,6 +101,200 @@ class _Program(Program):
         # jit can return static leaves only inside a pytree's static data.
         return packed if packed.layout.static else packed.unpack()
 
+    # -- the custom_jvp's rule ---------------------------------------------
+
+    def rule(self, primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
+        """forward's outputs, and their tangent through ``linear_call`` (``tangents``: ``SymbolicZero`` where none)."""
+        spec, runner = self.spec, self.runner
+        if spec.backward is None and spec.jvp is None:
+            raise not_differentiable(spec)
+        if spec.jvp is None and _jax_internals.differentiation("custom_jvp rule") != "vjp":
+            raise no_forward_mode(spec)
+        arrays = as_arrays(primals)
+        perturbed = [type(t) is not SymbolicZero for t in tangents]
+        tangents = tuple(t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents)
+        needs = runner.needs_input_grad(perturbed, arrays)
+        perturbed = [p and is_differentiable_dtype(x.dtype) for p, x in zip(perturbed, arrays, strict=True)]
+        packed, residuals = runner.run_forward(arrays, needs, forward_mode=True)
+        # Under a higher-order derivative, outputs and saved outputs differentiate by jvp, not forward's code.
+        packed, residuals = self._tied(arrays, packed, residuals)
+        in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
+        linear = [d for d, p in enumerate(perturbed) if p]
+        own = OwnDerivative(self, residuals.meta, packed.layout, in_avals, linear, first_order=True)
+
+        tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
+        if linear and own.outputs:
+            # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
+            out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
+            computed = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types)
+            for j, t in zip(own.outputs, computed, strict=True):
+                tangents_out[j] = t
+        return packed, Packed(tuple(tangents_out), packed.layout)
+
+    # -- the tie's derivative ----------------------------------------------
+
+    def _tied(self, arrays: tuple, packed: Packed, residuals: Residuals) -> tuple[Packed, Residuals]:
+        """forward's outputs and residuals, each output (returned or saved) tied to the Function's own rules.
+
+        Host Functions are left alone: their second derivative raises anyway.
+        """
+        if self.spec.host:
+            return packed, residuals
+        outputs, res = tie_outputs(self, residuals.meta, packed.layout, arrays, packed.arrays, residuals.arrays)
+        return Packed(outputs, packed.layout), Residuals(res, residuals.meta)
+
+    def tie_tangents(self, tie: Any, inputs: list, residuals: list, moving: list, tangents: list,
+                     out_types: list) -> list:
+        """The tangents of a tie's outputs: the Function's own derivative along the ``moving`` inputs.
+
+        ``tie`` (a ``_tie._Tie``) carries the forward run's residual metadata
+        and output layout; ``residuals`` are that run's residuals, tied again.
+        """
+        meta, runner = tie.meta, self.runner
+        perturbed = [d in moving for d in range(len(inputs))]
+        needs = tuple(a or b for a, b in zip(meta.needs, runner.needs_input_grad(perturbed, inputs), strict=True))
+        if needs != meta.needs:
+            # The outer derivative moves an input that forward was told needs
+            # no gradient (a gradient penalty's parameters): run forward again
+            # as PyTorch would have, knowing every input that needs one.
+            packed, again = runner.run_forward(as_arrays(inputs), needs)
+            _, again = self._tied(tuple(inputs), packed, again)
+            meta, residuals = again.meta, list(again.arrays)
+        in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
+        own = OwnDerivative(self, meta, tie.out_layout, in_avals, moving)
+        return own.tangents(residuals, tangents, out_types)
+
+
+class OwnDerivative:
+    """A Function's own derivative at one forward run: output tangents from input tangents.
+
+    ``linear`` lists the input leaves whose tangents are the linear inputs;
+    the tangents computed are those of the differentiable outputs.
+    ``first_order``: the Function's own rule, not a tie's; evaluating it
+    is forward mode, which a class without ``jvp`` does not have.
+    """
+
+    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_avals: list, linear: list,
+                 first_order: bool = False):
+        self.runner = program.runner
+        self.spec = program.spec
+        self.name = program.spec.name
+        self.meta = meta
+        self.out_layout = out_layout
+        self.in_avals = in_avals
+        self.linear = linear
+        self.outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
+        self.first_order = first_order
+
+    def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any]) -> list:
+        """One tangent per differentiable output (of types ``out_types``), as a ``linear_call``.
+
+        Evaluating it runs ``jvp`` (or, without one, ``backward`` transposed
+        by JAX); transposing it runs ``backward`` (or, without one, ``jvp``
+        transposed by JAX).
+        """
+        spec = self.spec
+        if spec.closes_over_tracer and spec.jvp is not None:
+            # The methods close over a tracer of an enclosing transformation, which a primitive's rule cannot
+            # hold: jvp runs inline, where that tracer lives, and reverse mode transposes it (a custom_jvp's way).
+            return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
+
+        shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
+        gradient_shardings = [shardings[d] for d in self.linear]
+
+        def backward_rule(residuals: tuple, cotangents: tuple) -> list:
+            # Under Explicit mesh axes the zeros for absent gradients are typed as their inputs too.
+            return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), gradient_shardings)
+
+        backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
+        if spec.jvp is not None:
+            apply = self.apply_jvp
+        else:
+            apply = _NoForwardMode(self) if self.first_order else self.apply_transposed_backward
+        return linear_call(
+            tuple(residuals),
+            list(linear_tangents),
+            apply=apply,
+            transpose=backward_rule if spec.backward is not None else None,
+            out_avals=out_types,
+            name=self.name,
+        )
+
+    # -- the two rules of the linear_call ---------------------------------
+
+    def apply_jvp(self, residuals: tuple, linear: tuple) -> list:
+        """Output tangents (differentiable outputs) from input tangents: user's jvp."""
+        return self.runner.run_jvp(self.meta, residuals, self.out_layout, self.in_avals, self.linear, linear)
+
+    def apply_backward(self, residuals: tuple, cotangents: tuple) -> list:
+        """Input cotangents (linear inputs) from output cotangents: user's backward."""
+        full: list = [SymbolicZero(None)] * len(self.meta.out_avals)  # type: ignore[arg-type]  # absent
+        for j, ct in zip(self.outputs, cotangents, strict=True):
+            if ct is not None:
+                full[j] = ct
+        per_leaf = self.runner.run_backward(Residuals(tuple(residuals), self.meta), self.out_layout, full)
+        return [
+            jnp.zeros(*self.in_avals[d]) if per_leaf[d] is None else per_leaf[d]
+            for d in self.linear
+        ]
+
+    def apply_transposed_backward(self, residuals: tuple, linear: tuple) -> list:
+        """Output tangents from input tangents, for a class without jvp: backward, transposed by JAX."""
+        structs = [jax.ShapeDtypeStruct(*self.meta.out_avals[j]) for j in self.outputs]
+        try:
+            transposed = jax.linear_transpose(lambda *cts: self.apply_backward(residuals, cts), *structs)
+            return list(transposed(list(linear)))
+        except Exception as e:  # JAX raises several types for code it cannot transpose
+            raise TypeError(
+                f"{self.name} defines no jvp, so inside a higher-order derivative taken "
+                "in forward mode (jax.hessian, jax.jacfwd of jax.grad) the derivative of "
+                f"its outputs is {self.name}.backward transposed by JAX, which needs "
+                "backward to be linear in the gradients and written in transposable "
+                f"JAX operations; transposing it failed: {e}. Define "
+                f"{self.name}.jvp(ctx, *tangents), or take the derivative in reverse "
+                "mode twice (jax.jacrev of jax.jacrev)."
+            ) from e
+
+class _NoForwardMode:
+    """The first-order rule of a class without jvp: backward transposed, which forward mode may not run.
+
+    ``linear_call`` raises ``forward_mode_error()`` where the rule would run
+    for its value (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``; also after
+    ``jax.grad`` of a jitted program, whose rule trace JAX reuses); tracing
+    it for its effects, transposing it (reverse mode) and differentiating it
+    along the residuals (a higher order) run backward transposed.
+    """
+
+    def __init__(self, own: OwnDerivative):
+        self.own = own
+
+    def __call__(self, residuals: tuple, linear: tuple) -> list:
+        return self.own.apply_transposed_backward(residuals, linear)
+
+    def forward_mode_error(self) -> TypeError:
+        return no_forward_mode(self.own.spec)
+
+
+def no_forward_mode(spec: Spec) -> TypeError:
+    """The error for forward mode (jax.jvp, jax.jacfwd, jax.linearize) of a class without jvp."""
+    return TypeError(
+        f"{spec.name} has no forward-mode derivative (jax.jvp, jax.jacfwd, "
+        f"jax.linearize): it defines backward but no jvp. Add a "
+        f"jvp(ctx, *tangents) staticmethod to {spec.name}, or use reverse "
+        "mode (jax.grad, jax.vjp, jax.jacrev)."
+    )
+
+
+def not_differentiable(spec: Spec) -> TypeError:
+    """The error for differentiating a class with neither backward nor jvp."""
+    return TypeError(
+        f"{spec.name} cannot be differentiated: it defines no backward "
+        f"(and no jvp). Add a backward(ctx, *grad_outputs) staticmethod to "
+        f"{spec.name} for reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
+        "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
+        "jax.jacfwd)."
+    )
+
 
 def _named(fn: Callable, name: str) -> Callable:
     """A plain function named ``name`` (JAX's error messages and jaxprs show it)."""
@@ -150,4 +308,3 @@ def _named(fn: Callable, name: str) -> Callable:
 
 
 _ANY_ARGUMENTS = inspect.signature(lambda *args: None)
-

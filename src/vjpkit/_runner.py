@@ -1,21 +1,23 @@
-"""A program: the user's methods run on one static part of a call, while JAX traces.
+"""The user's methods: read off the class once (``Spec``), and run on one static part of a call (``Runner``).
 
-The one forward runner and the one backward runner live here, shared by
-the ``custom_jvp`` rule (``_forward.py``) and the Function's own derivative
-(``_tie.py``):
+They run while JAX traces, each with a ctx (``_ctx.py``), each named in
+profiles and with JAX's errors about traced values turned into vjpkit's
+(``run_user_method``). The program (``_program.py``) asks the runner for:
 
 - ``run_forward``: arguments rebuilt from their array leaves, a ctx, the
   user's forward (and setup_context), outputs packed and checked, and what
   forward left on ctx split into residual arrays and static data;
 - ``run_backward``: output cotangents as backward expects them, a ctx
-  rebuilt from the residuals, the user's backward, its gradients checked.
+  rebuilt from the residuals, the user's backward, its gradients checked;
+- ``run_jvp``: input tangents as jvp expects them, a ctx rebuilt from the
+  residuals, the user's jvp, its tangents checked.
 """
 
 from __future__ import annotations
 
 import linecache
 import os
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.custom_batching
@@ -29,18 +31,20 @@ from jax.errors import (
 )
 
 from . import _anomaly, _host, _jax_internals, _sharding
-from ._args import Signature, as_jax_leaf, split_residuals
-from ._ctx import Carried, FunctionCtx, call_forward, close, dirty_of, forwarded, is_array, method_of, rule_ctx
+from ._args import Signature, as_arrays, as_jax_leaf, split_residuals
+from ._ctx import Carried, FunctionCtx, call_forward, close, dirty_of, forwarded, method_of, rule_ctx
 from ._once import call_without_derivative, is_once_differentiable
 from ._outputs import (
     Packed,
+    ResidualMeta,
+    Residuals,
     check_backward_outputs,
+    check_jvp_outputs,
     differentiable_outputs,
-    is_differentiable_dtype,
     output_cotangents,
     pack_outputs,
 )
-from ._tree import Partition, Unkeyable, find_tracer, partition
+from ._tree import Partition, Unkeyable, find_tracer, is_array, is_differentiable_dtype, partition
 
 
 class Spec:
@@ -99,27 +103,6 @@ class Spec:
             f"{self.name}.apply: static argument {name!r} ({owner}) is keyed by its contents, so that a "
             f"changed object gets a new program; but {problem}"
         )
-
-
-def no_forward_mode(spec: Spec) -> TypeError:
-    """The error for forward mode (jax.jvp, jax.jacfwd, jax.linearize) of a class without jvp."""
-    return TypeError(
-        f"{spec.name} has no forward-mode derivative (jax.jvp, jax.jacfwd, "
-        f"jax.linearize): it defines backward but no jvp. Add a "
-        f"jvp(ctx, *tangents) staticmethod to {spec.name}, or use reverse "
-        "mode (jax.grad, jax.vjp, jax.jacrev)."
-    )
-
-
-def not_differentiable(spec: Spec) -> TypeError:
-    """The error for differentiating a class with neither backward nor jvp."""
-    return TypeError(
-        f"{spec.name} cannot be differentiated: it defines no backward "
-        f"(and no jvp). Add a backward(ctx, *grad_outputs) staticmethod to "
-        f"{spec.name} for reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
-        "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
-        "jax.jacfwd)."
-    )
 
 
 def _leaf_path(tree: Any, position: int) -> str:
@@ -335,43 +318,11 @@ def _defined(cls: type, base: type, method: str) -> Callable | None:
 
 
 # ---------------------------------------------------------------------------
-# Residuals: arrays as pytree children, everything else as static data.
-
-
-class ResidualMeta(NamedTuple):
-    """Static data carried from forward to backward inside the residual treedef."""
-
-    layout: Partition  # where saved arrays and ctx attributes go
-    needs: tuple
-    differentiable: tuple  # per array output: whether it carries a gradient
-    out_avals: tuple
-    materialize: bool
-    in_kinds: tuple
-
-
-class Residuals:
-    __slots__ = ("arrays", "meta")
-
-    def __init__(self, arrays: tuple, meta: ResidualMeta):
-        self.arrays = arrays
-        self.meta = meta
-
-
-jax.tree_util.register_dataclass(Residuals, data_fields=["arrays"], meta_fields=["meta"])
+# What forward left on ctx, as residuals: arrays as pytree children, everything else as static data.
 
 
 def _kind(x: Any) -> tuple:
     return (tuple(x.shape), x.dtype)
-
-
-def as_arrays(xs: Sequence[Any]) -> tuple:
-    """``xs`` as JAX arrays: the scalars JAX passes when it runs eagerly become arrays.
-
-    Why: differentiating with respect to a Python float eagerly (``jit=False``,
-    ``jax.disable_jit()``) hands the rules JAX's weakly typed scalar wrapper
-    (a ``float`` subclass with a dtype), where under ``jit`` they see a tracer.
-    """
-    return tuple(x if isinstance(x, jax.Array) else jnp.asarray(x) for x in xs)
 
 
 # Layouts of what forward left when that is only saved arrays (and None):
@@ -401,7 +352,7 @@ def _combine_carried(layout: Partition, arrays: Sequence[Any]) -> Carried:
     return Carried(tuple(None if none else next(it) for none in nones), (), {}, None)
 
 
-class Program:
+class Runner:
     """The user's methods for one static part of a call (``layout``), and their checks."""
 
     def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
@@ -546,6 +497,40 @@ class Program:
         if self.anomaly:
             self.check_gradients(cotangents)
         return cotangents
+
+    # -- jvp ---------------------------------------------------------------
+
+    def run_jvp(self, meta: ResidualMeta, residuals: Sequence[Any], out_layout: Partition, in_avals: list,
+                linear: list, tangents: Sequence[Any]) -> list:
+        """jvp's checked tangents, one per differentiable output (``tangents``: those of the input leaves ``linear``).
+
+        The other inputs' tangents reach jvp as zeros, or None when forward
+        turned materialization off (PyTorch's rule).
+        """
+        spec = self.spec
+        assert spec.jvp is not None  # the program asks for jvp only for a class with one
+        tangent_leaves: list = [None] * len(in_avals)
+        # Evaluated eagerly (jax.linearize of a jaxpr), a tangent may be JAX's weakly typed Python scalar.
+        for d, t in zip(linear, as_arrays(tangents), strict=True):
+            tangent_leaves[d] = t
+        for d, t in enumerate(tangent_leaves):
+            if t is None and meta.materialize and is_differentiable_dtype(in_avals[d][1]):
+                tangent_leaves[d] = jnp.zeros(*in_avals[d])
+        ctx = rule_ctx(spec.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
+        try:
+            result = run_user_method(
+                spec.name, ctx, spec.jvp, ctx, *self.layout.combine(tangent_leaves, keep_static=False)
+            )
+        except _sharding.sharding_type_errors() as e:
+            raise _sharding.forward_sharding_error(spec.name, "jvp", e) from None
+        tangents_out = check_jvp_outputs(spec.name, result, out_layout, meta.differentiable, meta.out_avals)
+        if self.anomaly:
+            outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
+            labelled = [(f"the tangent of output {j}", t) for j, t in zip(outputs, tangents_out, strict=True)]
+            _anomaly.check_finite(spec.name, "jvp", labelled)
+        return tangents_out
+
+    # -- messages ----------------------------------------------------------
 
     def once_message(self) -> str:
         return (
