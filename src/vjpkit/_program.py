@@ -115,9 +115,10 @@ class Program:
         tangents = tuple(t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents)
         needs = runner.needs_input_grad(perturbed, arrays)
         perturbed = [p and is_differentiable_dtype(x.dtype) for p, x in zip(perturbed, arrays, strict=True)]
-        packed, residuals = runner.run_forward(arrays, needs, forward_mode=True)
-        # Under a higher-order derivative, outputs and saved outputs differentiate by jvp, not forward's code.
-        packed, residuals = self._tied(arrays, packed, residuals)
+        with _jax_internals.on_primal_trace(arrays):
+            packed, residuals = runner.run_forward(arrays, needs, forward_mode=True)
+            # Under a higher-order derivative, outputs and saved outputs differentiate by jvp, not forward's code.
+            packed, residuals = self._tied(arrays, packed, residuals)
         in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
         linear = [d for d, p in enumerate(perturbed) if p]
         own = OwnDerivative(self, residuals.meta, packed.layout, in_avals, linear, first_order=True)
