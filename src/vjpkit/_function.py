@@ -7,9 +7,11 @@ The one path for data::
           -> checked gradients
 
 A class becomes a cache of *programs*, one per static part of a call
-(``_tree.partition`` of the bound arguments). A program owns one ``jax.custom_jvp`` whose
-primal and rule run the user's methods (``_forward.py``), and one
-``jax.jit`` of it; JAX's own jit cache then handles shapes and dtypes.
+(``_tree.partition`` of the bound arguments), in front of which ``apply``
+dispatches on the call's shape (``_dispatch.py``). A program
+(``_program.py``) owns one ``jax.custom_jvp`` whose primal and rule run the
+user's methods (``_runner.py``), and its ``jax.jit``; JAX's own jit cache
+then handles shapes and dtypes.
 """
 
 from __future__ import annotations

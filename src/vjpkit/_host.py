@@ -23,7 +23,7 @@ Usage::
     jax.jit(jax.grad(lambda A, b: Solve(A, b).sum()))(A, b)
 
 This module turns the user's NumPy methods into JAX-traceable ``forward``
-and ``backward`` methods that the core (``_program.Program``) runs like
+and ``backward`` methods that the core (``_runner.Runner``) runs like
 any other Function's, so jit, grad, vmap and scan need no second path.
 
 The key differences to a JAX Function are:

@@ -221,7 +221,10 @@ def on_primal_trace(primals: Sequence[Any]) -> Any:
 # mode (``JVPTrace``), ``jax.linearize`` and reverse mode alike; only the
 # trace whose method calls the rule says which. No public API tells, so
 # ``differentiation`` reads the callers' frames (and, for ``apply``, the
-# enclosing traces).
+# enclosing traces). It is vjpkit's only frame walk, and no other way exists:
+# the rule runs under a partial-evaluation trace (reverse mode and
+# ``jax.linearize``) or the ``JVPTrace``'s parent (``jax.jvp``), and neither
+# links to the differentiating trace, which only the calling frame holds.
 
 if hasattr(_config, "use_direct_linearize"):  # every supported JAX (on by default from 0.7)
     _direct_linearize: Any = _config.use_direct_linearize
@@ -545,7 +548,7 @@ def trace_configuration() -> tuple:
 
 
 # ---------------------------------------------------------------------------
-# JAX's errors about closures over traced values (_function.py explains them naming the class).
+# JAX's errors about closures over traced values (_dispatch.py explains them naming the class).
 
 # JAX's error for a custom_vjp whose function closes over a value being differentiated: the same words in every
 # JAX from 0.4.38 (its type, CustomVJPException, is not public).
@@ -571,7 +574,7 @@ def closed_over_tracer_type(e: BaseException) -> str | None:
 
 # ---------------------------------------------------------------------------
 # Where a trace stands: whether a batching rule's bind is differentiated on the spot, and
-# whether a vmap is active (_tie.py, _function.py); debug info for a custom_jvp's rule.
+# whether a vmap is active (_tie.py, _dispatch.py); debug info for a custom_jvp's rule.
 
 
 def differentiating_here() -> bool:
