@@ -15,8 +15,8 @@ import pytest
 from functions import make_mul
 
 import vjpkit
-from vjpkit._function import _Program
 from vjpkit._jax_internals import JAX_KEEPS_TRANSPOSED_JITS
+from vjpkit._program import Program
 
 # ---------------------------------------------------------------------------
 # Threads
@@ -120,7 +120,7 @@ def _alive_programs(cls) -> int:
     gc.collect()
     name = cls.__name__
     return sum(
-        1 for o in gc.get_objects() if type(o) is _Program and o.spec.name == name and o.spec.forward is cls.forward
+        1 for o in gc.get_objects() if type(o) is Program and o.spec.name == name and o.spec.forward is cls.forward
     )
 
 

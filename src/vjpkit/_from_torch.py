@@ -46,12 +46,12 @@ import jax
 import numpy as np
 
 from . import _sharding
-from ._ctx import FunctionCtx, is_array
+from ._ctx import FunctionCtx
 from ._function import Function
 from ._host import _pure_callback
 from ._once import call_without_derivative, once_differentiable
 from ._outputs import is_differentiable_dtype
-from ._tree import Partition, partition
+from ._tree import Partition, is_array, partition
 
 __all__ = ["from_torch"]
 

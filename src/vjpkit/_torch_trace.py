@@ -38,11 +38,11 @@ import numpy as np
 import torch
 from torch.overrides import resolve_name
 
-from ._ctx import FunctionCtx, is_array
+from ._ctx import FunctionCtx
 from ._function import Function
 from ._once import once_differentiable
 from ._torch_ops import RULES, VIEWS, Untraceable, jax_dtype, set_item
-from ._tree import partition
+from ._tree import is_array, partition
 
 __all__ = ["Either", "TracedTensor", "Untraceable", "auto", "trace_callable", "trace_function_class"]
 
