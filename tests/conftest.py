@@ -1,14 +1,21 @@
-"""Shared pytest configuration: hypothesis profiles, the thorough-only tests,
-CI's rule that no test may skip, and two fixtures: ``x64`` (64-bit floats for
-one test) and ``run_script`` (a script of tests/scripts/ on several devices).
+"""Shared pytest configuration: hypothesis profiles, the slow and thorough-only
+tests, CI's rule that no test may skip, and two fixtures: ``x64`` (64-bit
+floats for one test) and ``run_script`` (a script of tests/scripts/ on several
+devices).
 
-``default`` keeps the property-based tests (tests/test_properties.py) within
-CI's time budget: a fixed number of derandomized examples, so CI runs are
-reproducible. ``thorough`` runs at least 10,000 examples of each property,
-and the tests marked ``@pytest.mark.thorough`` (slow ones whose point the
-default run already proves on a smaller scale):
+Three hypothesis profiles, each a fixed number of derandomized examples (runs
+are reproducible) except the last: ``default`` (a plain ``pytest``) runs a
+few, ``ci`` (picked when ``CI=true``) three times as many, and ``thorough``
+at least 10,000 of each property, and the tests marked
+``@pytest.mark.thorough`` (slow ones whose point the other runs already prove
+on a smaller scale):
 
     VJPKIT_HYPOTHESIS_PROFILE=thorough python -m pytest tests/test_properties.py
+
+Tests marked ``@pytest.mark.slow`` (several processes, a training run: each
+minutes of CPU on a small machine) are left out of a plain ``pytest``, so it
+stays quick; ``CI=true``, ``--run-slow`` or any ``-m`` expression brings them
+back (``-m slow`` runs only them). They are deselected, never skipped.
 
 With ``CI=true`` (CI sets it), a skipped test fails instead: CI installs every
 optional dependency (torch, equinox, flax, ...), so a skip there means a test
@@ -32,9 +39,10 @@ from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older hom
 # magnitude, which is not slowness of the data generation.
 _JAX = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-settings.register_profile("default", max_examples=150, derandomize=True, print_blob=True, **_JAX)
+settings.register_profile("default", max_examples=50, derandomize=True, print_blob=True, **_JAX)
+settings.register_profile("ci", max_examples=150, derandomize=True, print_blob=True, **_JAX)
 settings.register_profile("thorough", max_examples=10_000, print_blob=True, **_JAX)
-PROFILE = os.environ.get("VJPKIT_HYPOTHESIS_PROFILE", "default")
+PROFILE = os.environ.get("VJPKIT_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") == "true" else "default")
 settings.load_profile(PROFILE)
 
 THOROUGH_ONLY = "thorough profile only: runs with VJPKIT_HYPOTHESIS_PROFILE=thorough"
@@ -74,11 +82,30 @@ def run_script():
     return run
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow (CI=true runs them)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", f"thorough: {THOROUGH_ONLY}")
 
 
+def _runs_slow_tests(config):
+    asked = config.getoption("--run-slow") or bool(config.option.markexpr)
+    return asked or os.environ.get("CI") == "true" or PROFILE == "thorough"
+
+
+def pytest_report_header(config):
+    if not _runs_slow_tests(config):
+        return "tests marked slow: left out (--run-slow, or CI=true, runs them)"
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _runs_slow_tests(config):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     if PROFILE == "thorough":
         return
     for item in items:

@@ -1,6 +1,7 @@
 """CI's rule (tests/conftest.py): with CI=true a skipped test fails, unless it
-is thorough-only or needs a feature this JAX lacks. Checked on a small test
-file run by pytest's own ``pytester`` with this suite's conftest.
+is thorough-only or needs a feature this JAX lacks; and the slow tests, left
+out of a plain run, run in CI. Checked on small test files run by pytest's
+own ``pytester`` with this suite's conftest.
 """
 
 import pathlib
@@ -80,3 +81,47 @@ def test_the_thorough_profile_runs_the_thorough_tests(suite, monkeypatch):
     monkeypatch.setenv("CI", "true")
     monkeypatch.setenv("VJPKIT_HYPOTHESIS_PROFILE", "thorough")
     suite.runpytest_subprocess("-k", "thorough").assert_outcomes(passed=1)
+
+
+SLOW_AND_QUICK_TESTS = """
+import pytest
+
+def test_quick():
+    pass
+
+@pytest.mark.slow
+def test_slow():
+    pass
+"""
+
+
+@pytest.fixture
+def slow_suite(pytester, monkeypatch):
+    monkeypatch.delenv("VJPKIT_HYPOTHESIS_PROFILE", raising=False)
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    slow: a slow test\n")
+    pytester.makepyfile(test_slow_and_quick=SLOW_AND_QUICK_TESTS)
+    return pytester
+
+
+def test_outside_ci_slow_tests_are_deselected_not_skipped(slow_suite, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    result = slow_suite.runpytest()
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["tests marked slow: left out (--run-slow, or CI=true, runs them)"])
+
+
+def test_in_ci_slow_tests_run(slow_suite, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    slow_suite.runpytest().assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize("args", [["--run-slow"], ["-m", "slow or not slow"]])
+def test_run_slow_or_a_mark_expression_runs_slow_tests(slow_suite, monkeypatch, args):
+    monkeypatch.delenv("CI", raising=False)
+    slow_suite.runpytest(*args).assert_outcomes(passed=2)
+
+
+def test_mark_expression_slow_runs_only_the_slow_tests(slow_suite, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    slow_suite.runpytest("-m", "slow").assert_outcomes(passed=1, deselected=1)

@@ -33,6 +33,8 @@ RUN_BY_TEST_TRAINING = {
     "train_mlp.py", "train_sharded.py", "equinox_module.py", "flax_nnx_module.py", "train_transformer.py",
 }
 EXAMPLES = [p for p in ALL_EXAMPLES if p.name not in RUN_BY_TEST_TRAINING]
+# Several JAX processes and a distributed run: marked slow (left out of a plain `pytest`, run in CI).
+SLOW = {"train_multiprocess.py"}
 
 
 def required_modules(path):
@@ -70,6 +72,8 @@ def run_example(path):
 def example_param(path):
     missing = missing_modules(path)
     marks = [pytest.mark.skip(reason=f"needs {', '.join(missing)}")] if missing else []
+    if path.name in SLOW:
+        marks.append(pytest.mark.slow)
     return pytest.param(path, id=path.stem, marks=marks)
 
 

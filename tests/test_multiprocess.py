@@ -22,6 +22,8 @@ PROCESSES = 2
 DEVICES_PER_PROCESS = 2
 TIMEOUT_S = 300
 
+pytestmark = pytest.mark.slow  # three JAX processes and a distributed run: left out of a plain `pytest`, run in CI
+
 
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -16,10 +16,10 @@ loose tolerances, float64 with tight ones), then one transformation stack
 stage has a ``jvp``), with or without an outer ``jit``. The same program is
 also written with ``jnp`` only; both must give the same numbers.
 
-Profiles (``tests/conftest.py``): ``default`` for CI, and
-``VJPKIT_HYPOTHESIS_PROFILE=thorough`` for at least 10,000 examples of the
-main property. The Function classes are module-level and shapes come from a
-small set, so compiled programs are reused across examples (JAX compile time
+Profiles (``tests/conftest.py``): 50 examples of the main property in a plain
+``pytest``, 150 in CI (``CI=true``), and at least 10,000 with
+``VJPKIT_HYPOTHESIS_PROFILE=thorough``. The Function classes are
+module-level and shapes come from a small set, so compiled programs are reused across examples (JAX compile time
 dominates the cost of an example).
 """
 

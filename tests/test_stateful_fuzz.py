@@ -12,8 +12,8 @@ answers a call with what an earlier, different call traced (a backward
 told the wrong ``needs_input_grad``, a program traced for ``1`` reused for
 ``True``) shows up as a mismatch; hypothesis prints the sequence of calls.
 
-``VJPKIT_HYPOTHESIS_PROFILE=thorough`` runs 500 sequences; the default
-(CI) profile a few. The sequences that outside testing found are below as
+``VJPKIT_HYPOTHESIS_PROFILE=thorough`` runs 500 sequences, CI's profile 10,
+a plain ``pytest`` 4. The sequences that outside testing found are below as
 plain regression tests.
 """
 
@@ -460,7 +460,7 @@ class CallSequence(RuleBasedStateMachine):
 
 
 CallSequence.TestCase.settings = settings(
-    max_examples=500 if THOROUGH else 10,
+    max_examples=500 if THOROUGH else max(4, settings.default.max_examples // 15),
     stateful_step_count=10,
     deadline=None,
     derandomize=not THOROUGH,

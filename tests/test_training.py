@@ -63,6 +63,7 @@ def test_digits_classifier_reaches_95_percent_test_accuracy(capsys, tmp_path):
         assert (tmp_path / "loss.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # a second JAX process with 8 devices, training 3 epochs twice
 def test_data_parallel_training_ends_at_the_single_device_loss():
     pytest.importorskip("optax")
     pytest.importorskip("sklearn")

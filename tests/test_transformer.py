@@ -202,6 +202,7 @@ def val_losses(out):
     return [float(v) for v in re.findall(r"^step +\d+ +train loss [\d.]+ +val loss ([\d.]+)", out, re.MULTILINE)]
 
 
+@pytest.mark.slow  # the example's whole run, 30 steps
 def test_tiny_training_run_lowers_the_validation_loss(tiny_run):
     out, plot = tiny_run
     assert out.startswith("gradcheck: CausalAttention ok, LayerNorm ok, GELU ok, SoftmaxCrossEntropy ok\n")
@@ -212,6 +213,7 @@ def test_tiny_training_run_lowers_the_validation_loss(tiny_run):
         assert plot.stat().st_size > 0
 
 
+@pytest.mark.slow  # the example's run again, in a second JAX process
 def test_data_parallel_run_over_two_devices_ends_at_the_single_device_loss(tiny_run):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     result = subprocess.run(
