@@ -20,6 +20,8 @@ core.get_aval                                          0.4.38 to 0.5.2 ``jax.typ
 core.ShardingTypeError                                 0.5 on          none
 core.no_axis_name, core.unmapped_aval                  all             none (vmap batching rules)
 batching.BatchTrace (is a vmap active)                 all             none
+experimental.shard_map.ShardMapTrace (eager shard_map  0.4.38 to 0.5   none
+  that refuses a custom_jvp with symbolic zeros)
 partial_eval.DynamicJaxprTrace                         all             none
 partial_eval.JaxprTrace                                0.4.38 to 0.6   none (and later JAX with
                                                                        jax_use_direct_linearize off)
@@ -595,11 +597,13 @@ _BatchTrace = _require(_batching_internal, "BatchTrace", "jax._src.interpreters.
 def is_batching() -> bool:
     """Whether a ``jax.vmap`` (``BatchTrace``) is among the active traces.
 
-    Why: a ``custom_jvp`` called directly under vmap gets its outputs' batch
-    axes after its rule ran (an output whose value does not depend on the
-    batch, but whose tangent does, is then batched); inside an inner
-    ``jit`` they are fixed by the primal alone, and the rule's tangent no
-    longer fits. Every supported JAX chains traces through ``parent_trace``.
+    Why: a ``custom_jvp`` called directly under vmap runs its rule under
+    the vmap, where a tangent's batch axes follow its primal's
+    (``_linear_call``); inside an inner ``jit`` the rule is batched later,
+    as a jaxpr, without the primals' axes, and the tangent of an output
+    that is not batched may be, which no longer fits the output's axes,
+    fixed by the primal alone. Every supported JAX chains traces through
+    ``parent_trace``.
     """
     trace = _trace_ctx.trace
     while trace is not None:
@@ -607,6 +611,33 @@ def is_batching() -> bool:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+# The eager trace of ``jax.experimental.shard_map`` (a shard_map called outside jit) runs a custom_jvp's function
+# and drops its rule: it is the bottom trace, and no differentiation below it can need the rule. Before JAX 0.6 it
+# first refuses a custom_jvp with symbolic zeros (every Function is one), with this message; JAX 0.6's
+# jax.shard_map (whose trace jax.experimental.shard_map shares from then on) drops the rule either way.
+_SHARD_MAP_REFUSES_SYMBOLIC_ZEROS = "custom_jvp symbolic_zeros support with shard_map is not implemented"
+
+
+def reaches_eager_shard_map_refusing_symbolic_zeros() -> bool:
+    """Whether a ``custom_jvp`` bound now reaches, through vmaps only, an eager shard_map that refuses symbolic zeros.
+
+    Why: there JAX runs the function and drops the rule, so a Function
+    calls its primal directly, as later JAX does for it. Found by feature:
+    the message in the code of ``ShardMapTrace.process_custom_jvp_call``
+    of an imported ``jax.experimental.shard_map`` (JAX 0.4.38 to 0.5); a
+    program that never imported it has no such trace.
+    """
+    trace_type = getattr(sys.modules.get("jax.experimental.shard_map"), "ShardMapTrace", None)
+    method = getattr(trace_type, "process_custom_jvp_call", None)
+    constants = getattr(getattr(method, "__code__", None), "co_consts", ())
+    if not any(isinstance(c, str) and _SHARD_MAP_REFUSES_SYMBOLIC_ZEROS in c for c in constants):
+        return False
+    trace = _trace_ctx.trace
+    while isinstance(trace, _BatchTrace):
+        trace = trace.parent_trace
+    return isinstance(trace, trace_type)  # type: ignore[arg-type]  # a type: its method was found above
 
 
 def save_rule_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
