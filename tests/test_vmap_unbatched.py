@@ -156,6 +156,27 @@ def test_second_order_through_the_unbatched_output(cls, jit):
     close(got(XS, W), expected(XS, W))
 
 
+STAGED_INSIDE = {
+    "jit": jax.jit,
+    "checkpoint": jax.checkpoint,
+    "scan": lambda f: lambda x, w: jax.tree.map(lambda a: a[0], lax.scan(lambda c, _: (c, f(x, w)), 0, length=1)[1]),
+    "cond": lambda f: lambda x, w: lax.cond(w > 0, f, f, x, w),
+}
+
+
+@pytest.mark.parametrize("cls", ALL)
+@pytest.mark.parametrize("inside", STAGED_INSIDE)
+def test_grad_of_vmap_of_a_staged_call(cls, inside):
+    # The vmap batches the call as part of a jaxpr, before the gradient traces the rule (main gave w's gradient
+    # once per example, silently).
+    def make(fn):
+        vmapped = jax.vmap(STAGED_INSIDE[inside](fn), in_axes=(0, None), out_axes=(0, None))
+        return jax.grad(lambda xs, w: sum(jnp.sum(jnp.sin(o)) for o in vmapped(xs, w)), (0, 1))
+
+    got, expected = both_ways(cls, make, False)
+    close(got(XS, W), expected(XS, W))
+
+
 @pytest.mark.parametrize("cls", WITH_JVP)
 @JIT
 def test_jvp_of_vmap_keeps_the_unbatched_output_unbatched(cls, jit):

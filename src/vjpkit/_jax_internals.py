@@ -96,12 +96,14 @@ def _require_module(path: str) -> Any:
 ad = _require_module("jax.interpreters.ad")
 batching = _require_module("jax.interpreters.batching")
 mlir = _require_module("jax.interpreters.mlir")
+partial_eval = _require_module("jax.interpreters.partial_eval")
 Primitive = _require(_require_module("jax.extend.core"), "Primitive", "jax.extend.core")
 for _module, _where, _names in (
     (ad, "jax.interpreters.ad", ("Zero", "instantiate_zeros", "is_undefined_primal", "primitive_jvps",
                                  "primitive_transposes")),
     (batching, "jax.interpreters.batching", ("fancy_primitive_batchers", "bdim_at_front")),
     (mlir, "jax.interpreters.mlir", ("register_lowering", "lower_fun")),
+    (partial_eval, "jax.interpreters.partial_eval", ("custom_partial_eval_rules",)),
     (jax.core, "jax.core", ("ShapedArray",)),
 ):
     for _name in _names:
@@ -190,7 +192,9 @@ def is_staging() -> bool:
 
     Why: calling an inner ``jax.jit`` while an outer one traces leaves a
     nested call in the program (extra HLO instructions); under a staging
-    trace vjpkit calls its ``custom_vjp`` directly so it inlines instead.
+    trace vjpkit calls its ``custom_jvp`` directly so it inlines instead.
+    And a jaxpr may be batched by a vmap later, so a tangent's
+    ``linear_call`` traced into one carries its primals' batch axes (``_program.py``).
     """
     return any(isinstance(trace, _DynamicJaxprTrace) for trace in _enclosing_traces())
 
@@ -597,13 +601,10 @@ _BatchTrace = _require(_batching_internal, "BatchTrace", "jax._src.interpreters.
 def is_batching() -> bool:
     """Whether a ``jax.vmap`` (``BatchTrace``) is among the active traces.
 
-    Why: a ``custom_jvp`` called directly under vmap runs its rule under
-    the vmap, where a tangent's batch axes follow its primal's
-    (``_linear_call``); inside an inner ``jit`` the rule is batched later,
-    as a jaxpr, without the primals' axes, and the tangent of an output
-    that is not batched may be, which no longer fits the output's axes,
-    fixed by the primal alone. Every supported JAX chains traces through
-    ``parent_trace``.
+    Why: under vmap ``apply`` calls its ``custom_jvp`` directly, which JAX
+    batches as a plain one, and a tangent's ``linear_call`` carries its
+    primals' batch axes (``_program.py``). Every supported JAX chains traces
+    through ``parent_trace``.
     """
     trace = _trace_ctx.trace
     while trace is not None:

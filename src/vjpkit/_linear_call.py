@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
 from . import _jax_internals
-from ._jax_internals import Primitive, ad, batching, mlir
+from ._jax_internals import Primitive, ad, batching, mlir, partial_eval
 
 
 class _LinearCallPrimitive(Primitive):
@@ -62,9 +62,10 @@ def linear_call(
     A ``transpose`` with the attribute ``takes_symbolic_zeros`` receives
     ``None`` for cotangents that JAX knows are zero.
     ``out_avals`` are ``apply``'s output types (no tracing to find them).
-    ``primals``: under ``jax.vmap``, the primal of each linear input, then
-    of each output (empty elsewhere). Only their batch axes are read: an
-    output whose primal is not batched stays unbatched (see ``_linear_call_batch``).
+    ``primals``: where a vmap may batch the call (under ``jax.vmap``, or
+    traced into a jaxpr), the primal of each linear input, then of each
+    output; empty elsewhere. Only their batch axes are read: an output
+    whose primal is not batched stays unbatched (see ``_linear_call_batch``).
     """
     witnesses = tuple(map(_batch_witness, primals))
     return _bind(residuals, witnesses, linear_inputs, apply=apply, transpose=transpose, out_avals=out_avals,
@@ -91,12 +92,26 @@ def _bind(residuals: Sequence[Any], witnesses: tuple, linear_inputs: Sequence[An
 
 
 def _batch_witness(x: Any) -> Any:
-    """A primal's batch axis without its data: an empty slice of it, which no derivative moves.
+    """A primal's batch axis without its data: an empty slice of it (``_linear_call_jvp`` ignores its tangent)."""
+    x = jnp.reshape(x, (1,)) if jnp.ndim(x) == 0 else x
+    return jax.lax.slice(x, (0,) * x.ndim, (0,) * x.ndim)
 
-    Why empty: the witness is an operand of the call, so reverse mode keeps
-    it with the residuals; an empty array costs nothing there.
+
+def _linear_call_partial_eval(trace: Any, *tracers: Any, num_res: int, num_witnesses: int, **params: Any) -> list:
+    """A call with unknown (linear) inputs staged without its batch witnesses.
+
+    Why: partial evaluation (``jax.linearize``, reverse mode) would keep them
+    as residuals, for a call that is then evaluated or transposed, never
+    batched by them; the tangents it computes are already batched where
+    they need be.
     """
-    return jax.lax.stop_gradient(jnp.reshape(x, (-1,))[:0])
+    res, witnesses, lin = _parts(tracers, num_res, num_witnesses)
+    if witnesses and not all(t.is_known() for t in tracers):
+        tracers, num_witnesses = res + lin, 0
+        params["traced"] = _TracedRule(params["apply"], num_res, 0, params["out_avals"])
+    return trace.default_process_primitive(
+        _linear_call_p, tracers, dict(params, num_res=num_res, num_witnesses=num_witnesses)
+    )
 
 
 def _parts(args: Sequence[Any], num_res: int, num_witnesses: int) -> tuple[tuple, tuple, tuple]:
@@ -401,3 +416,4 @@ ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
 _jax_internals.hold_weakly_in_caches(_TracedRule)
 ad.primitive_transposes[_linear_call_p] = _linear_call_transpose
 batching.fancy_primitive_batchers[_linear_call_p] = _linear_call_batch
+partial_eval.custom_partial_eval_rules[_linear_call_p] = _linear_call_partial_eval

@@ -223,7 +223,8 @@ class OwnDerivative:
             transpose=backward_rule if spec.backward is not None else None,
             out_avals=out_types,
             name=self.name,
-            primals=primals if _jax_internals.is_batching() else (),
+            # Where a vmap may batch the call: now, or later as part of a jaxpr.
+            primals=primals if _jax_internals.is_batching() or _jax_internals.is_staging() else (),
         )
 
     # -- the two rules of the linear_call ---------------------------------
