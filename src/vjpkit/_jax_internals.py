@@ -580,7 +580,7 @@ def closed_over_tracer_type(e: BaseException) -> str | None:
 
 # ---------------------------------------------------------------------------
 # Where a trace stands: whether a batching rule's bind is differentiated on the spot, and
-# whether a vmap is active (_tie.py, _dispatch.py); debug info for a custom_jvp's rule.
+# whether a vmap is active (_tie.py, _dispatch.py, _program.py); debug info for a custom_jvp's rule.
 
 
 def differentiating_here() -> bool:
