@@ -458,16 +458,12 @@ def _ties(fn, *args):
 
 
 def _count_inlined(jaxpr):
-    """Equations once each ``vjpkit_linear_call`` is replaced by its rule's, as it lowers.
-
-    Not counted: the empty slices that tell a vmap the batch axes of a linear_call's primals, which compute
-    nothing (dead once it is transposed, and dropped by XLA).
-    """
+    """Equations once each ``vjpkit_linear_call`` is replaced by its rule's, as it lowers."""
     count = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "vjpkit_linear_call":
             count += _count_inlined(eqn.params["traced"].jaxpr([v.aval for v in eqn.invars]).jaxpr)
-        elif not all(v.aval.size == 0 for v in eqn.outvars):
+        else:
             count += 1
     return count
 

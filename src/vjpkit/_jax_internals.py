@@ -20,6 +20,8 @@ core.get_aval                                          0.4.38 to 0.5.2 ``jax.typ
 core.ShardingTypeError                                 0.5 on          none
 core.no_axis_name, core.unmapped_aval                  all             none (vmap batching rules)
 batching.BatchTrace (is a vmap active)                 all             none
+batching.batch_custom_jvp_subtrace (its code: a frame  all             none
+  that traces a custom_jvp's rule for a vmap)
 experimental.shard_map.ShardMapTrace (eager shard_map  0.4.38 to 0.5   none
   that refuses a custom_jvp with symbolic zeros)
 partial_eval.DynamicJaxprTrace                         all             none
@@ -193,8 +195,6 @@ def is_staging() -> bool:
     Why: calling an inner ``jax.jit`` while an outer one traces leaves a
     nested call in the program (extra HLO instructions); under a staging
     trace vjpkit calls its ``custom_jvp`` directly so it inlines instead.
-    And a jaxpr may be batched by a vmap later, so a tangent's
-    ``linear_call`` traced into one carries its primals' batch axes (``_program.py``).
     """
     return any(isinstance(trace, _DynamicJaxprTrace) for trace in _enclosing_traces())
 
@@ -612,6 +612,36 @@ def is_batching() -> bool:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def _code_in(wrapper: Any, name: str, where: str) -> Any:
+    """The code of function ``name``, which JAX wraps (a ``functools.partial`` of it, in every supported JAX)."""
+    for candidate in (wrapper, *getattr(wrapper, "args", ())):
+        code = getattr(candidate, "__code__", None)
+        if code is not None and code.co_name == name:
+            return code
+    raise _missing(f"{where}.{name}")
+
+
+_BATCH_CUSTOM_JVP = _code_in(
+    _require(_batching_internal, "batch_custom_jvp_subtrace", "jax._src.interpreters.batching"),
+    "batch_custom_jvp_subtrace", "jax._src.interpreters.batching",
+)
+
+
+def vmap_batches_here() -> bool:
+    """Whether a ``jax.vmap`` batches what is bound now: under an active vmap, or traced for one to batch.
+
+    Why: a tangent's ``linear_call`` must then carry its primals' batch
+    axes (``_program.py``). The second case: a ``custom_jvp`` called in a
+    jaxpr (``jit``, ``scan``, ``cond``, ``checkpoint`` inside the vmap),
+    differentiated later, has its rule traced to a jaxpr of its own and
+    evaluated under the vmap, by ``batching.batch_custom_jvp_subtrace``
+    (every supported JAX), found among the callers' frames.
+    """
+    if is_batching():
+        return True
+    return is_staging() and any(frame.f_code is _BATCH_CUSTOM_JVP for frame in _frames_from(sys._getframe(1)))
 
 
 # The eager trace of ``jax.experimental.shard_map`` (a shard_map called outside jit) runs a custom_jvp's function

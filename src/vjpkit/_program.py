@@ -223,8 +223,7 @@ class OwnDerivative:
             transpose=backward_rule if spec.backward is not None else None,
             out_avals=out_types,
             name=self.name,
-            # Where a vmap may batch the call: now, or later as part of a jaxpr.
-            primals=primals if _jax_internals.is_batching() or _jax_internals.is_staging() else (),
+            primals=primals if _jax_internals.vmap_batches_here() else (),
         )
 
     # -- the two rules of the linear_call ---------------------------------
