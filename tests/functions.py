@@ -123,6 +123,46 @@ class Scale(vjpkit.Function):
         return ctx.c * g, None
 
 
+def _weighted_sin(x, w):
+    return jnp.sin(x) * w, w**2
+
+
+class WeightedSin(vjpkit.Function):
+    """``(sin(x) * w, w ** 2)``, backward only: a vmap over x leaves the second output unbatched."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return _weighted_sin(x, w)
+
+    @staticmethod
+    def backward(ctx, g_product, g_square):
+        x, w = ctx.saved_tensors
+        return g_product * jnp.cos(x) * w, g_product * jnp.sin(x) + 2 * w * g_square
+
+
+class WeightedSinWithJvp(WeightedSin):
+    """WeightedSin with both rules (backward is WeightedSin's)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        ctx.save_for_forward(x, w)
+        return _weighted_sin(x, w)
+
+    @staticmethod
+    def jvp(ctx, tx, tw):
+        x, w = ctx.saved_tensors
+        return jnp.cos(x) * w * tx + jnp.sin(x) * tw, 2 * w * tw
+
+
+class WeightedSinJvpOnly(vjpkit.Function):
+    """WeightedSin with jvp only: reverse mode transposes the jvp."""
+
+    forward = staticmethod(WeightedSinWithJvp.forward)
+    jvp = staticmethod(WeightedSinWithJvp.jvp)
+
+
 REFERENCE = {
     Sin: jnp.sin,
     SinWithJvp: jnp.sin,
@@ -131,5 +171,8 @@ REFERENCE = {
     ExpWithJvp: jnp.exp,
     Mul: lambda x, w: x * w,
     Scale: lambda x, c=2.0: c * x,
+    WeightedSin: _weighted_sin,
+    WeightedSinWithJvp: _weighted_sin,
+    WeightedSinJvpOnly: _weighted_sin,
 }
 

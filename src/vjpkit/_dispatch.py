@@ -391,7 +391,7 @@ def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
         # Under an outer jit (or scan, checkpoint, ...) the custom_jvp inlines
         # into the caller's program; jit=False runs op by op. Under vmap, JAX
         # batches it as a plain custom_jvp (outputs batched as its rule says).
-        return entry.program.differentiable(*map(as_jax_leaf, arrays))
+        return _differentiable(entry.program, arrays)
     return entry.jitted(*arrays)
 
 
@@ -399,7 +399,19 @@ def _run_unjitted(entry: _Entry, *arrays: Any) -> Any:
     """A call whose static arguments hold a tracer of an enclosing transformation."""
     if entry.program.spec.jvp is None and _jax_internals.differentiation("apply") == "linearize":
         raise no_forward_mode(entry.program.spec)
-    return entry.program.differentiable(*map(as_jax_leaf, arrays))
+    return _differentiable(entry.program, arrays)
+
+
+def _differentiable(program: Program, arrays: tuple) -> Any:
+    """The program's custom_jvp of ``arrays``; its primal where JAX drops the rule but would refuse it first.
+
+    That is an eager ``jax.experimental.shard_map`` (vmapped or not) before
+    JAX 0.6, which refuses a custom_jvp with symbolic zeros (see ``_jax_internals``).
+    """
+    leaves = tuple(map(as_jax_leaf, arrays))
+    if _jax_internals.reaches_eager_shard_map_refusing_symbolic_zeros():
+        return program.runner.primal(*leaves)
+    return program.differentiable(*leaves)
 
 
 def _reraise(spec: Spec, program: Program, e: Exception, run: Any) -> None:

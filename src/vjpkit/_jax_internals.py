@@ -20,6 +20,10 @@ core.get_aval                                          0.4.38 to 0.5.2 ``jax.typ
 core.ShardingTypeError                                 0.5 on          none
 core.no_axis_name, core.unmapped_aval                  all             none (vmap batching rules)
 batching.BatchTrace (is a vmap active)                 all             none
+batching.batch_custom_jvp_subtrace (its code: a frame  all             none
+  that traces a custom_jvp's rule for a vmap)
+experimental.shard_map.ShardMapTrace (eager shard_map  0.4.38 to 0.5   none
+  that refuses a custom_jvp with symbolic zeros)
 partial_eval.DynamicJaxprTrace                         all             none
 partial_eval.JaxprTrace                                0.4.38 to 0.6   none (and later JAX with
                                                                        jax_use_direct_linearize off)
@@ -94,12 +98,14 @@ def _require_module(path: str) -> Any:
 ad = _require_module("jax.interpreters.ad")
 batching = _require_module("jax.interpreters.batching")
 mlir = _require_module("jax.interpreters.mlir")
+partial_eval = _require_module("jax.interpreters.partial_eval")
 Primitive = _require(_require_module("jax.extend.core"), "Primitive", "jax.extend.core")
 for _module, _where, _names in (
     (ad, "jax.interpreters.ad", ("Zero", "instantiate_zeros", "is_undefined_primal", "primitive_jvps",
                                  "primitive_transposes")),
     (batching, "jax.interpreters.batching", ("fancy_primitive_batchers", "bdim_at_front")),
     (mlir, "jax.interpreters.mlir", ("register_lowering", "lower_fun")),
+    (partial_eval, "jax.interpreters.partial_eval", ("custom_partial_eval_rules",)),
     (jax.core, "jax.core", ("ShapedArray",)),
 ):
     for _name in _names:
@@ -188,7 +194,7 @@ def is_staging() -> bool:
 
     Why: calling an inner ``jax.jit`` while an outer one traces leaves a
     nested call in the program (extra HLO instructions); under a staging
-    trace vjpkit calls its ``custom_vjp`` directly so it inlines instead.
+    trace vjpkit calls its ``custom_jvp`` directly so it inlines instead.
     """
     return any(isinstance(trace, _DynamicJaxprTrace) for trace in _enclosing_traces())
 
@@ -574,7 +580,7 @@ def closed_over_tracer_type(e: BaseException) -> str | None:
 
 # ---------------------------------------------------------------------------
 # Where a trace stands: whether a batching rule's bind is differentiated on the spot, and
-# whether a vmap is active (_tie.py, _dispatch.py); debug info for a custom_jvp's rule.
+# whether a vmap is active (_tie.py, _dispatch.py, _program.py); debug info for a custom_jvp's rule.
 
 
 def differentiating_here() -> bool:
@@ -595,11 +601,10 @@ _BatchTrace = _require(_batching_internal, "BatchTrace", "jax._src.interpreters.
 def is_batching() -> bool:
     """Whether a ``jax.vmap`` (``BatchTrace``) is among the active traces.
 
-    Why: a ``custom_jvp`` called directly under vmap gets its outputs' batch
-    axes after its rule ran (an output whose value does not depend on the
-    batch, but whose tangent does, is then batched); inside an inner
-    ``jit`` they are fixed by the primal alone, and the rule's tangent no
-    longer fits. Every supported JAX chains traces through ``parent_trace``.
+    Why: under vmap ``apply`` calls its ``custom_jvp`` directly, which JAX
+    batches as a plain one, and a tangent's ``linear_call`` carries its
+    primals' batch axes (``_program.py``). Every supported JAX chains traces
+    through ``parent_trace``.
     """
     trace = _trace_ctx.trace
     while trace is not None:
@@ -607,6 +612,63 @@ def is_batching() -> bool:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def _code_in(wrapper: Any, name: str, where: str) -> Any:
+    """The code of function ``name``, which JAX wraps (a ``functools.partial`` of it, in every supported JAX)."""
+    for candidate in (wrapper, *getattr(wrapper, "args", ())):
+        code = getattr(candidate, "__code__", None)
+        if code is not None and code.co_name == name:
+            return code
+    raise _missing(f"{where}.{name}")
+
+
+_BATCH_CUSTOM_JVP = _code_in(
+    _require(_batching_internal, "batch_custom_jvp_subtrace", "jax._src.interpreters.batching"),
+    "batch_custom_jvp_subtrace", "jax._src.interpreters.batching",
+)
+
+
+def vmap_batches_here() -> bool:
+    """Whether a ``jax.vmap`` batches what is bound now: under an active vmap, or traced for one to batch.
+
+    Why: a tangent's ``linear_call`` must then carry its primals' batch
+    axes (``_program.py``). The second case: a ``custom_jvp`` called in a
+    jaxpr (``jit``, ``scan``, ``cond``, ``checkpoint`` inside the vmap),
+    differentiated later, has its rule traced to a jaxpr of its own and
+    evaluated under the vmap, by ``batching.batch_custom_jvp_subtrace``
+    (every supported JAX), found among the callers' frames.
+    """
+    if is_batching():
+        return True
+    return is_staging() and any(frame.f_code is _BATCH_CUSTOM_JVP for frame in _frames_from(sys._getframe(1)))
+
+
+# The eager trace of ``jax.experimental.shard_map`` (a shard_map called outside jit) runs a custom_jvp's function
+# and drops its rule: it is the bottom trace, and no differentiation below it can need the rule. Before JAX 0.6 it
+# first refuses a custom_jvp with symbolic zeros (every Function is one), with this message; JAX 0.6's
+# jax.shard_map (whose trace jax.experimental.shard_map shares from then on) drops the rule either way.
+_SHARD_MAP_REFUSES_SYMBOLIC_ZEROS = "custom_jvp symbolic_zeros support with shard_map is not implemented"
+
+
+def reaches_eager_shard_map_refusing_symbolic_zeros() -> bool:
+    """Whether a ``custom_jvp`` bound now reaches, through vmaps only, an eager shard_map that refuses symbolic zeros.
+
+    Why: there JAX runs the function and drops the rule, so a Function
+    calls its primal directly, as later JAX does for it. Found by feature:
+    the message in the code of ``ShardMapTrace.process_custom_jvp_call``
+    of an imported ``jax.experimental.shard_map`` (JAX 0.4.38 to 0.5); a
+    program that never imported it has no such trace.
+    """
+    trace_type = getattr(sys.modules.get("jax.experimental.shard_map"), "ShardMapTrace", None)
+    method = getattr(trace_type, "process_custom_jvp_call", None)
+    constants = getattr(getattr(method, "__code__", None), "co_consts", ())
+    if not any(isinstance(c, str) and _SHARD_MAP_REFUSES_SYMBOLIC_ZEROS in c for c in constants):
+        return False
+    trace = _trace_ctx.trace
+    while isinstance(trace, _BatchTrace):
+        trace = trace.parent_trace
+    return isinstance(trace, trace_type)  # type: ignore[arg-type]  # a type: its method was found above
 
 
 def save_rule_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:

@@ -127,7 +127,8 @@ class Program:
         if linear and own.outputs:
             # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
             out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
-            computed = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types)
+            of = [arrays[d] for d in linear] + [packed.arrays[j] for j in own.outputs]  # the primals of both
+            computed = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types, of)
             for j, t in zip(own.outputs, computed, strict=True):
                 tangents_out[j] = t
         return packed, Packed(tuple(tangents_out), packed.layout)
@@ -145,8 +146,8 @@ class Program:
         return Packed(outputs, packed.layout), Residuals(res, residuals.meta)
 
     def tie_tangents(self, tie: Any, inputs: list, residuals: list, moving: list, tangents: list,
-                     out_types: list) -> list:
-        """The tangents of a tie's outputs: the Function's own derivative along the ``moving`` inputs.
+                     out_types: list, outputs: list) -> list:
+        """The tangents of a tie's ``outputs``: the Function's own derivative along the ``moving`` inputs.
 
         ``tie`` (a ``_tie._Tie``) carries the forward run's residual metadata
         and output layout; ``residuals`` are that run's residuals, tied again.
@@ -163,7 +164,7 @@ class Program:
             meta, residuals = again.meta, list(again.arrays)
         in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
         own = OwnDerivative(self, meta, tie.out_layout, in_avals, moving)
-        return own.tangents(residuals, tangents, out_types)
+        return own.tangents(residuals, tangents, out_types, [inputs[d] for d in moving] + list(outputs))
 
 
 class OwnDerivative:
@@ -187,12 +188,15 @@ class OwnDerivative:
         self.outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
         self.first_order = first_order
 
-    def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any]) -> list:
+    def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any],
+                 primals: Sequence[Any]) -> list:
         """One tangent per differentiable output (of types ``out_types``), as a ``linear_call``.
 
         Evaluating it runs ``jvp`` (or, without one, ``backward`` transposed
         by JAX); transposing it runs ``backward`` (or, without one, ``jvp``
-        transposed by JAX).
+        transposed by JAX). ``primals``: the primal of each linear input,
+        then of each differentiable output; under ``jax.vmap`` a tangent is
+        batched only where they say it may be.
         """
         spec = self.spec
         if spec.closes_over_tracer and spec.jvp is not None:
@@ -219,6 +223,7 @@ class OwnDerivative:
             transpose=backward_rule if spec.backward is not None else None,
             out_avals=out_types,
             name=self.name,
+            primals=primals if _jax_internals.vmap_batches_here() else (),
         )
 
     # -- the two rules of the linear_call ---------------------------------

@@ -50,7 +50,7 @@ class Owner(Protocol):
     spec: Any  # the Function's Spec: its name names the tie in jaxprs
 
     def tie_tangents(self, tie: Any, inputs: list, residuals: list, moving: list, tangents: list,
-                     out_types: list) -> list: ...
+                     out_types: list, outputs: list) -> list: ...
 
 
 def tie_outputs(owner: Owner, meta: Any, out_layout: Any, arrays: tuple, outputs: tuple,
@@ -161,7 +161,7 @@ class _Tie:
         outputs, res = self(primals)
         out_types = [_jax_internals.tangent_aval(y) for y in outputs]
         moving_tangents = [tangents[self.inputs_at[d]] for d in moving]
-        return outputs, self.program.tie_tangents(self, inputs, res, moving, moving_tangents, out_types)
+        return outputs, self.program.tie_tangents(self, inputs, res, moving, moving_tangents, out_types, outputs)
 
     def __repr__(self) -> str:
         return self.program.spec.name

@@ -96,16 +96,13 @@ def assert_vmap_matches_loop(port: Any, batched: Sequence[Any], in_axes: Sequenc
 
 
 # What JAX before 0.6 (``jax.experimental.shard_map``, no ``jax.shard_map``) cannot do with a Function inside
-# shard_map, in JAX's own words: a custom_jvp with symbolic zeros (every Function is one) under vmap inside
-# shard_map, and the replication check (``check_rep=True``) of a rule's output.
-_OLD_SHARD_MAP_ERRORS = (
-    "custom_jvp symbolic_zeros support with shard_map is not implemented",
-    "pass the check_rep=False argument to shard_map",
-)
+# shard_map, in JAX's own words: the replication check (``check_rep=True``) of a differentiated custom_jvp with
+# symbolic zeros (every Function is one).
+_OLD_SHARD_MAP_ERROR = "pass the check_rep=False argument to shard_map"
 
 
 def skip_where_this_jax_lacks_it(error: str | None) -> None:
     """Skips a script check that failed only because this JAX's shard_map lacks a feature (JAX before 0.6)."""
-    if error is not None and not hasattr(jax, "shard_map") and any(e in error for e in _OLD_SHARD_MAP_ERRORS):
-        pytest.skip("this JAX lacks custom_jvp symbolic zeros and the replication check of custom rules in "
-                    "jax.experimental.shard_map (JAX 0.6's jax.shard_map has both)")
+    if error is not None and not hasattr(jax, "shard_map") and _OLD_SHARD_MAP_ERROR in error:
+        pytest.skip("this JAX lacks the replication check of a differentiated custom_jvp with symbolic zeros in "
+                    "jax.experimental.shard_map (JAX 0.6's jax.shard_map has it)")
