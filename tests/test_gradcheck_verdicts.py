@@ -16,7 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
+
+# jax.enable_x64 or its older home. Not the x64 fixture:
+# A scope inside one check: the compiled verdict in float64 beside gradcheck run with x64 off.
+from vjpkit._jax_internals import enable_x64
 
 EPS, ATOL, RTOL = 1e-6, 1e-5, 1e-3
 ON_CPU = jax.default_backend() == "cpu"
