@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Exp, Identity  # Exp: the tutorial's Exp, ported
 
 import vjpkit
 from vjpkit.testing import assert_matches_torch
@@ -47,17 +48,7 @@ if torch is not None:
             grad_input[input < 0] = 0
             return grad_input
 
-    class TorchExp(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, i):
-            result = i.exp()
-            ctx.save_for_backward(result)
-            return result
-
-        @staticmethod
-        def backward(ctx, grad_output):
-            (result,) = ctx.saved_tensors
-            return grad_output * result
+    from torch_functions import TorchExp
 
     class TorchMulConstant(torch.autograd.Function):
         @staticmethod
@@ -113,19 +104,6 @@ class ReLU(vjpkit.Function):
     def backward(ctx, grad_output):
         (input,) = ctx.saved_tensors
         return jnp.where(input < 0, 0.0, grad_output)
-
-
-class Exp(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, i):
-        result = jnp.exp(i)
-        ctx.save_for_backward(result)
-        return result
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (result,) = ctx.saved_tensors
-        return grad_output * result
 
 
 class MulConstant(vjpkit.Function):
@@ -258,14 +236,8 @@ def test_a_self_consistent_but_wrong_port_is_caught_where_gradcheck_is_not():
     assert "- the gradient with respect to input 2 ('bias'): 2 of 2 elements differ" in message
 
 
-class ExpFirstOrderOnly(vjpkit.Function):
+class ExpFirstOrderOnly(Exp):
     """Right first derivative, but backward hides its dependence on the input."""
-
-    @staticmethod
-    def forward(ctx, i):
-        result = jnp.exp(i)
-        ctx.save_for_backward(result)
-        return result
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -599,11 +571,7 @@ def test_second_order_verdict_is_absent_when_second_orders_agree():
     assert_matches_torch(TorchExp, Exp, (X,), check_second_order=True)
 
 
-class ScaleGradient(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
+class ScaleGradient(Identity):
     @staticmethod
     def backward(ctx, g):
         return 0.5 * g
