@@ -130,6 +130,35 @@ class StoppedExpWithJvp(ExpWithJvp):
         return y
 
 
+class Square(vjpkit.Function):
+    """x * x, saving its input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class SquareWithJvp(Square):
+    """Square with a jvp too, from the same saved input (backward is Square's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+        return x * x
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return 2 * x * t
+
+
 class Log(vjpkit.Function):
     """log, saving its input."""
 
@@ -327,6 +356,8 @@ REFERENCE = {
     ScaledExp: lambda x, c=1.0: jnp.exp(x) * c,
     StoppedExp: jnp.exp,
     StoppedExpWithJvp: jnp.exp,
+    Square: jnp.square,
+    SquareWithJvp: jnp.square,
     Log: jnp.log,
     Tanh: jnp.tanh,
     StoppedTanh: jnp.tanh,
