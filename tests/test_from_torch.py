@@ -241,7 +241,7 @@ def test_float32_stays_float32_and_float64_stays_float64():
     assert Exp.apply(jnp.ones(2, jnp.float32)).dtype == jnp.float32
     with enable_x64(True):  # float32 where x64 is off, float64 where it is on: one test of both
         assert Exp.apply(jnp.ones(2, jnp.float64)).dtype == jnp.float64
-    assert jax.grad(lambda x: Exp.apply(x).sum())(jnp.ones(2, jnp.float64)).dtype == jnp.float64
+        assert jax.grad(lambda x: Exp.apply(x).sum())(jnp.ones(2, jnp.float64)).dtype == jnp.float64
 
 
 # ---------------------------------------------------------------------------
