@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import StoppedTanh, StoppedTanhJvpOnly, StoppedTanhWithJvp, Tanh, once
+from functions import StoppedTanh, StoppedTanhJvpOnly, StoppedTanhWithJvp, Tanh, TanhSavingAStoppedSlope, once
 
 import vjpkit
 
@@ -187,21 +187,6 @@ def test_straight_through_output_differentiates_as_the_identity_at_second_order(
 
 # ---------------------------------------------------------------------------
 # Which arrays follow the Function's rules: outputs yes, intermediates no.
-
-
-class TanhSavingAStoppedSlope(vjpkit.Function):
-    """Saves an intermediate computed under stop_gradient: it stays constant at second order."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.tanh(x)
-        ctx.save_for_backward(jax.lax.stop_gradient(1 - y**2))
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (slope,) = ctx.saved_tensors
-        return g * slope
 
 
 def test_saved_intermediate_differentiates_through_forwards_code():

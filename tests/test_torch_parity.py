@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import Exp, Identity  # Exp: the tutorial's Exp, ported
+from functions import Exp, Identity, TanhSavingAStoppedSlope  # Exp: the tutorial's Exp, ported
 
 import vjpkit
 from vjpkit.testing import assert_matches_torch
@@ -500,21 +500,6 @@ if torch is not None:
             return g * (expx + expnegx) / 2
 
 
-class TanhSavingAStoppedSlope(vjpkit.Function):
-    """Saves an intermediate computed with code that has no derivative (the original saves its output)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.tanh(x)
-        ctx.save_for_backward(jax.lax.stop_gradient(1 - y**2))
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (slope,) = ctx.saved_tensors
-        return g * slope
-
-
 class SinhSavingIntermediates(vjpkit.Function):
     @staticmethod
     def forward(ctx, x):
@@ -528,6 +513,8 @@ class SinhSavingIntermediates(vjpkit.Function):
         return g * (expx + expnegx) / 2
 
 
+# TanhSavingAStoppedSlope saves an intermediate computed with code that has no derivative; the original
+# saves its output.
 @needs_torch
 def test_second_order_sees_a_saved_intermediates_wrong_derivative():
     with pytest.raises(AssertionError) as info:
