@@ -10,15 +10,16 @@ import vjpkit
 
 
 class LinearFunction(vjpkit.Function):
-    """The PyTorch tutorial's LinearFunction, ported."""
+    """The PyTorch tutorial's LinearFunction, ported as the tutorial writes it (with setup_context)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias=None):
-        ctx.save_for_backward(input, weight, bias)
+    def forward(input, weight, bias=None):
         output = input @ weight.T
-        if bias is not None:
-            output = output + bias
-        return output
+        return output if bias is None else output + bias
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from functions import Exp, Identity, TanhSavingAStoppedSlope  # Exp: the tutorial's Exp, ported
+from gc_functions import LinearFunction  # the tutorial's, ported
 
 import vjpkit
 from vjpkit.testing import assert_matches_torch
@@ -91,7 +92,7 @@ if torch is not None:
 
 
 # ---------------------------------------------------------------------------
-# Their vjpkit ports.
+# Their vjpkit ports (Exp and LinearFunction are shared: functions.py, gc_functions.py).
 
 
 class ReLU(vjpkit.Function):
@@ -119,29 +120,6 @@ class MulConstant(vjpkit.Function):
     @staticmethod
     def backward(ctx, grad_output):
         return grad_output * ctx.constant, None
-
-
-class LinearFunction(vjpkit.Function):
-    @staticmethod
-    def forward(input, weight, bias=None):
-        output = input @ weight.T
-        return output if bias is None else output + bias
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input, weight, bias = ctx.saved_tensors
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = grad_output @ weight
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad_output.T @ input
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.sum(0)
-        return grad_input, grad_weight, grad_bias
 
 
 # ---------------------------------------------------------------------------
