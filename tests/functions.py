@@ -323,6 +323,21 @@ class MulByScalarWithJvp(MulByScalar):
         return tx * c + x * tc
 
 
+class Gather(vjpkit.Function):
+    """x[idx] for a 1-d x and an integer idx (not differentiated: its gradient slot is None)."""
+
+    @staticmethod
+    def forward(ctx, x, idx):
+        ctx.save_for_backward(idx)
+        ctx.n = x.shape[0]
+        return x[idx]
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        return jnp.zeros(ctx.n, g.dtype).at[idx].add(g), None
+
+
 class Identity(vjpkit.Function):
     """Returns its input; the gradient passes through."""
 
@@ -385,6 +400,7 @@ REFERENCE = {
     LinearWithJvp: lambda x, w: x @ w.T,
     MulByScalar: lambda x, c: x * c,
     MulByScalarWithJvp: lambda x, c: x * c,
+    Gather: lambda x, idx: x[idx],
     Identity: lambda x: x,
     Scale: lambda x, c=2.0: c * x,
 }
