@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import Mul, Sin, fresh
+from functions import Double, Mul, Sin, fresh
 
 import vjpkit
 from vjpkit import _jax_internals  # a JAX-version flag (which message this JAX gives): no public API says it
@@ -65,11 +65,7 @@ def test_list_of_gradients_counts_as_one_value():
 
 
 def test_too_many_gradients_for_a_single_input_raises():
-    class Bad(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
+    class Bad(Double):
         @staticmethod
         def backward(ctx, g):
             return 2 * g, g
@@ -208,15 +204,11 @@ def test_returning_a_dirty_input_unchanged_raises():
 def test_ctx_used_after_the_call_raises():
     kept = []
 
-    class Leaky(vjpkit.Function):
+    class Leaky(Double):
         @staticmethod
         def forward(ctx, x):
             kept.append(ctx)
-            return 2 * x
-
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * g
+            return Double.forward(ctx, x)
 
     Leaky.apply(X)
     (ctx,) = kept
@@ -230,11 +222,7 @@ def test_ctx_used_after_the_call_raises():
 
 
 def test_missing_ctx_attribute_in_backward_raises_naming_it():
-    class Bad(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
+    class Bad(Double):
         @staticmethod
         def backward(ctx, g):
             return g * ctx.scale
@@ -456,15 +444,6 @@ def test_decorating_an_abc_subclass_makes_a_function():
 
 def test_apply_on_an_instance_works_with_a_deprecation_warning():
     # PyTorch's legacy style: MyFunction().apply(x), which PyTorch only warns about.
-    class Double(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * g
-
     message = "Double should not be instantiated. Methods on Functions are all static, so you should invoke them"
     with pytest.warns(DeprecationWarning, match=re.escape(message)):
         double = Double()
