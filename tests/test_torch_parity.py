@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import Exp, Identity, TanhSavingAStoppedSlope  # Exp: the tutorial's Exp, ported
+from functions import Exp, Identity, Square, TanhSavingAStoppedSlope  # Exp: the tutorial's Exp, ported
 from gc_functions import LinearFunction  # the tutorial's, ported
 
 import vjpkit
@@ -390,25 +390,11 @@ if torch is not None:
             return g * (2 * z).conj()  # PyTorch's convention: conjugate Wirtinger
 
 
-class Square(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, z):
-        ctx.save_for_backward(z)
-        return z * z
-
-    @staticmethod
-    def backward(ctx, g):
-        (z,) = ctx.saved_tensors
-        return g * 2 * z  # JAX's convention: the cotangent times the derivative
+# functions.Square's backward follows JAX's convention: the cotangent times the derivative.
 
 
-class SquareCopiedVerbatim(vjpkit.Function):
+class SquareCopiedVerbatim(Square):
     """PyTorch's backward copied as it is: conjugated, so wrong in JAX."""
-
-    @staticmethod
-    def forward(ctx, z):
-        ctx.save_for_backward(z)
-        return z * z
 
     @staticmethod
     def backward(ctx, g):
