@@ -32,16 +32,11 @@ ZEROS = jnp.zeros(3)
 def test_python_scalar_argument_is_static():
     seen = []
 
-    class MulConstant(vjpkit.Function):
+    class MulConstant(functions.Scale):  # records what forward sees of c
         @staticmethod
         def forward(ctx, x, c):
             seen.append(type(c))
-            ctx.c = c
-            return x * c
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * ctx.c, None
+            return functions.Scale.forward(ctx, x, c)
 
     chex.assert_trees_all_close(MulConstant.apply(X, 3.0), 3.0 * X)
     chex.assert_trees_all_close(jax.grad(lambda x: MulConstant.apply(x, 3.0).sum())(X), jnp.full(3, 3.0))
@@ -111,15 +106,11 @@ def test_callable_argument_is_static():
 def test_static_arguments_of_equal_value_but_different_type_are_distinct_programs():
     seen = []
 
-    class Scale(vjpkit.Function):
+    class Scale(functions.Scale):  # records what forward sees of c
         @staticmethod
         def forward(ctx, x, c):
             seen.append(type(c))
-            return x * c
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, None
+            return functions.Scale.forward(ctx, x, c)
 
     for c in (1, 1.0, True):
         Scale.apply(X, c)
@@ -128,15 +119,7 @@ def test_static_arguments_of_equal_value_but_different_type_are_distinct_program
 
 
 def test_static_argument_of_the_same_value_reuses_the_program():
-    class Scale(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, c):
-            return x * c
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, None
-
+    Scale = functions.fresh(functions.Scale)  # a class of its own: the test counts its programs
     Scale.apply(X, 2.0)
     Scale.apply(X + 1, 2.0)
     Scale.apply(X, 3.0)
@@ -496,11 +479,7 @@ def test_trailing_extra_none_gradients_are_allowed():
 
 
 def test_none_gradient_means_zero():
-    class Mul(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            return x * w
-
+    class Mul(functions.Mul):
         @staticmethod
         def backward(ctx, g):
             return None, None
@@ -604,11 +583,7 @@ def test_gradient_of_another_float_dtype_is_cast_to_the_input_dtype():
 
 
 def test_real_gradient_for_a_complex_input_is_cast():
-    class Scale(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, z):
-            return z * 2
-
+    class Scale(functions.Double):  # 2 * z
         @staticmethod
         def backward(ctx, g):
             return jnp.real(g) * 2  # float32 for a complex64 input
