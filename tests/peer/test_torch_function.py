@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import Identity
+from functions import Double, Identity
 
 import vjpkit
 
@@ -497,11 +497,7 @@ def test_function_returns_input(shape):
 def test_function_returns_undefined_tensor():
     # TestAutograd.test_function_returns_undefined_tensor. vjpkit: JAX has no undefined gradient, so backward's
     # None is a zero gradient (PyTorch leaves x.grad None).
-    class MyFunction(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
+    class MyFunction(Double):  # forward: 2 * x
         @staticmethod
         def backward(ctx, grad):
             return None
@@ -637,11 +633,7 @@ def test_custom_function_non_tensor_inputs_outputs():
 
 def test_invalid_gradients():
     # TestAutograd.test_invalid_gradients: a gradient of the wrong shape raises, naming the expected shape.
-    class MyFunction(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
+    class MyFunction(Double):  # forward: 2 * x
         @staticmethod
         def backward(ctx, grad_output):
             return jnp.ones(10)
