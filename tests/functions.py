@@ -238,7 +238,7 @@ class StoppedTanhWithJvp(StoppedTanhJvpOnly):
         ctx.save_for_forward(y)
         return y
 
-    backward = Tanh.backward
+    backward = staticmethod(Tanh.backward)
 
 
 class Mul(vjpkit.Function):
