@@ -28,6 +28,7 @@ from functions import Linear, LinearWithJvp, Mul, fresh  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+# Internals on purpose: which sharding API this JAX has (a version probe no public API gives).
 from vjpkit import _jax_internals  # noqa: E402
 
 AxisType = getattr(jax.sharding, "AxisType", None)
