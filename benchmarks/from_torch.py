@@ -9,6 +9,8 @@ machinery). Candidates, each in four modes:
 - port: the vjpkit port (``Swish.apply``, compiled jax.numpy);
 - from_torch: the unchanged ``torch.autograd.Function`` through
   ``vjpkit.from_torch`` (a host callback per call, arrays by DLPack);
+- traced: the same through ``vjpkit.from_torch(..., mode="trace")`` (its
+  torch operations traced into JAX ones: no callback);
 - torch: the original in PyTorch eager (forward under ``no_grad``; the
   gradient as forward with ``requires_grad`` then ``backward``).
 
@@ -60,6 +62,7 @@ class Swish(vjpkit.Function):
 
 
 FromTorch = vjpkit.from_torch(TorchSwish)
+Traced = vjpkit.from_torch(TorchSwish, mode="trace")
 
 
 def torch_forward(t):
@@ -89,16 +92,20 @@ def main():
         return lambda x: (fn(x) * x).sum()
 
     modes = {
-        "forward": (Swish.apply, FromTorch.apply, torch_forward),
-        "forward in jit": (jax.jit(Swish.apply), jax.jit(FromTorch.apply), None),
-        "grad": (jax.grad(loss(Swish.apply)), jax.grad(loss(FromTorch.apply)), torch_grad),
-        "jit(grad)": (jax.jit(jax.grad(loss(Swish.apply))), jax.jit(jax.grad(loss(FromTorch.apply))), None),
+        "forward": (Swish.apply, FromTorch.apply, Traced.apply, torch_forward),
+        "forward in jit": (jax.jit(Swish.apply), jax.jit(FromTorch.apply), jax.jit(Traced.apply), None),
+        "grad": (jax.grad(loss(Swish.apply)), jax.grad(loss(FromTorch.apply)), jax.grad(loss(Traced.apply)),
+                 torch_grad),
+        "jit(grad)": (jax.jit(jax.grad(loss(Swish.apply))), jax.jit(jax.grad(loss(FromTorch.apply))),
+                      jax.jit(jax.grad(loss(Traced.apply))), None),
     }
     candidates = []
-    for mode, (port, original, in_torch) in modes.items():
+    for mode, (port, original, traced, in_torch) in modes.items():
         np.testing.assert_allclose(original(x), port(x), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(traced(x), port(x), rtol=1e-5, atol=1e-6)
         candidates += [Candidate(f"{mode}: port", lambda f=port: f(x)),
-                       Candidate(f"{mode}: from_torch", lambda f=original: f(x))]
+                       Candidate(f"{mode}: from_torch", lambda f=original: f(x)),
+                       Candidate(f"{mode}: traced", lambda f=traced: f(x))]
         if in_torch is not None:
             np.testing.assert_allclose(in_torch(t).numpy(), port(x), rtol=1e-5, atol=1e-6)
             candidates.append(Candidate(f"{mode}: torch", lambda f=in_torch: f(t), no_wait))
@@ -107,16 +114,18 @@ def main():
 
     rows = []
     for mode in modes:
-        us = {kind: median(samples[f"{mode}: {kind}"]) * 1e6 for kind in ("port", "from_torch", "torch")
+        us = {kind: median(samples[f"{mode}: {kind}"]) * 1e6 for kind in ("port", "from_torch", "traced", "torch")
               if f"{mode}: {kind}" in samples}
         rows.append((
-            mode, f"{us['port']:.1f}", f"{us['from_torch']:.1f}",
+            mode, f"{us['port']:.1f}", f"{us['from_torch']:.1f}", f"{us['traced']:.1f}",
             f"{us['torch']:.1f}" if "torch" in us else "-",
             f"{paired_ratio(samples, f'{mode}: from_torch', f'{mode}: port'):.1f}",
+            f"{paired_ratio(samples, f'{mode}: traced', f'{mode}: port'):.2f}",
             f"{paired_ratio(samples, f'{mode}: from_torch', f'{mode}: torch'):.1f}" if "torch" in us else "-",
         ))
     print_table(f"median µs per call, swish on {args.size} float32 elements",
-                ["mode", "port", "from_torch", "torch eager", "from_torch / port", "from_torch / torch"], rows)
+                ["mode", "port", "from_torch", "traced", "torch eager", "from_torch / port", "traced / port",
+                 "from_torch / torch"], rows)
 
 
 if __name__ == "__main__":

@@ -124,3 +124,17 @@ def test_console_command_is_declared_and_runs_the_same_main():
     (command,) = [e for e in entry_points(group="console_scripts") if e.name == "vjpkit"]
     assert command.value == "vjpkit.__main__:main"
     assert command.load() is main
+
+
+def test_a_torch_function_exits_2_pointing_to_from_torch(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    (tmp_path / "torch_ops.py").write_text(
+        "import torch\n\n\nclass TExp(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x):\n        return x.exp()\n\n"
+        "    @staticmethod\n    def backward(ctx, g):\n        return g\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status, out, err = run(capsys, "check", "torch_ops:TExp", "--inputs", "f64[3]")
+    assert status == 2
+    assert err.startswith("vjpkit: error: vjpkit check torch_ops:TExp: TExp is a torch.autograd.Function, which "
+                          "takes torch tensors, not JAX arrays. Pass vjpkit.from_torch(TExp).apply")

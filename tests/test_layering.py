@@ -33,3 +33,42 @@ def test_no_core_module_imports_the_checking_package():
 def test_the_checking_package_modules_stay_small():
     sizes = {path.name: len(path.read_text().splitlines()) for path in (PACKAGE / "_checking").glob("*.py")}
     assert {name: n for name, n in sizes.items() if n > 700} == {}
+
+
+# The core from top to bottom, as a call meets it: the front, the dispatch, the program, the
+# user-method runner (and host Functions' methods), the ctx, outputs and residuals, the tie, the
+# linear_call primitive, then the helpers everything shares. Each imports only modules below it.
+CORE = [
+    "_function", "_dispatch", "_program", "_runner", "_host", "_ctx", "_outputs", "_tie", "_linear_call",
+    "_anomaly", "_once", "_args", "_sharding", "_tree", "_caches", "_jax_internals",
+]
+OUTSIDE_THE_CORE = {"_from_torch.py", "_torch_trace.py", "_torch_ops.py", "cpp_extension.py"}  # built on the core
+
+
+def core_modules_imported_by(name):
+    """The core modules that ``name``'s source imports (``from . import _x``, ``from ._x import y``)."""
+    found = set()
+    for imported in imported_modules(PACKAGE / f"{name}.py"):
+        for part in imported.split("."):
+            if part in CORE:
+                found.add(part)
+    return found - {name}
+
+
+def test_every_core_module_has_a_place_in_the_order():
+    modules = {path.name for path in PACKAGE.glob("*.py")} - FRONT - OUTSIDE_THE_CORE
+    assert sorted(modules) == sorted(f"{name}.py" for name in CORE)
+
+
+def test_core_modules_import_only_modules_below_them():
+    upward = [
+        f"{name} imports {above}"
+        for at, name in enumerate(CORE)
+        for above in sorted(core_modules_imported_by(name) & set(CORE[:at]))
+    ]
+    assert upward == []
+
+
+def test_every_module_stays_small():
+    sizes = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 700} == {}

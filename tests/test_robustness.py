@@ -17,8 +17,8 @@ import pytest
 import vjpkit
 
 # Internals on purpose: the live programs (no public API lists them) and a JAX-version flag.
-from vjpkit._function import _Program
 from vjpkit._jax_internals import JAX_KEEPS_TRANSPOSED_JITS
+from vjpkit._program import Program
 
 # ---------------------------------------------------------------------------
 # Threads
@@ -98,7 +98,7 @@ def _alive_programs(cls) -> int:
     gc.collect()
     name = cls.__name__
     return sum(
-        1 for o in gc.get_objects() if type(o) is _Program and o.spec.name == name and o.spec.forward is cls.forward
+        1 for o in gc.get_objects() if type(o) is Program and o.spec.name == name and o.spec.forward is cls.forward
     )
 
 

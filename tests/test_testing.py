@@ -138,3 +138,55 @@ def test_assert_matches_torch_without_torch_or_pytest_says_torch_is_needed():
         "assert_matches_torch needs torch, which is not installed: install it (pip install torch) "
         "to compare a port with it"
     )
+
+
+# ---------------------------------------------------------------------------
+# A torch.autograd.Function where a JAX function is expected: an error pointing to vjpkit.from_torch.
+
+
+@pytest.fixture
+def torch_exp():
+    torch = pytest.importorskip("torch")
+
+    class TExp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.exp()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    return TExp
+
+
+POINTS_TO_FROM_TORCH = (r"TExp is a torch\.autograd\.Function, which takes torch tensors, not JAX arrays\. "
+                        r"Pass vjpkit\.from_torch\(TExp\)\.apply to run the original inside JAX, or its port")
+
+
+@pytest.mark.parametrize("as_apply", [True, False], ids=["apply", "class"])
+def test_gradcheck_of_a_torch_function_points_to_from_torch(torch_exp, as_apply):
+    import vjpkit
+
+    with pytest.raises(TypeError, match=r"^vjpkit\.gradcheck: " + POINTS_TO_FROM_TORCH):
+        vjpkit.gradcheck(torch_exp.apply if as_apply else torch_exp, (np.ones(3),))
+
+
+def test_gradgradcheck_of_a_torch_function_points_to_from_torch(torch_exp):
+    with pytest.raises(TypeError, match=r"^vjpkit\.gradgradcheck: " + POINTS_TO_FROM_TORCH):
+        assert_gradgradcheck(torch_exp.apply, (np.ones(3),))
+
+
+def test_assert_matches_torch_with_a_torch_function_as_the_port_points_to_from_torch(torch_exp):
+    from vjpkit.testing import assert_matches_torch
+
+    with pytest.raises(TypeError, match=r"^vjpkit\.testing\.assert_matches_torch \(its port, jax_fn\): "
+                                        + POINTS_TO_FROM_TORCH):
+        assert_matches_torch(torch_exp, torch_exp, (np.ones(3),))
+
+
+def test_port_check_with_a_torch_function_as_the_port_points_to_from_torch(torch_exp):
+    from vjpkit.testing import assert_port_matches_original
+
+    with pytest.raises(TypeError, match=r"^vjpkit\.testing\.port_differences \(its port\): " + POINTS_TO_FROM_TORCH):
+        assert_port_matches_original(torch_exp, torch_exp, np.ones(3))

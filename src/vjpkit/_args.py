@@ -9,13 +9,13 @@ can ever leak through ``nondiff_argnums`` (vjpkit never uses them).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._ctx import is_array
-from ._tree import Partition, partition
+from ._tree import Partition, is_array, partition
 
 _MISSING = object()
 
@@ -126,3 +126,13 @@ def split_residuals(saved: Any) -> tuple[Partition, tuple]:
 def as_jax_leaf(x: Any) -> Any:
     """NumPy values become JAX arrays at the ``custom_jvp`` boundary."""
     return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
+
+
+def as_arrays(xs: Sequence[Any]) -> tuple:
+    """``xs`` as JAX arrays: the scalars JAX passes when it runs eagerly become arrays.
+
+    Why: differentiating with respect to a Python float eagerly (``jit=False``,
+    ``jax.disable_jit()``) hands the rules JAX's weakly typed scalar wrapper
+    (a ``float`` subclass with a dtype), where under ``jit`` they see a tracer.
+    """
+    return tuple(x if isinstance(x, jax.Array) else jnp.asarray(x) for x in xs)

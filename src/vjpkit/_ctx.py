@@ -14,12 +14,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 
-from ._tree import ARRAY_TYPES
-
-
-def is_array(x: Any) -> bool:
-    """Whether ``x`` is traced by vjpkit (a JAX or NumPy array, or a tracer)."""
-    return isinstance(x, ARRAY_TYPES)
+from ._outputs import short_repr
+from ._tree import is_array
 
 
 class FunctionCtx:
@@ -106,7 +102,7 @@ class FunctionCtx:
                 raise TypeError(
                     f"{self._vjpkit_name}.{self._vjpkit_method}: {method} takes "
                     f"arrays or None, but argument {i} is {type(x).__name__} "
-                    f"({_short_repr(x)}). Store non-array values as ctx "
+                    f"({short_repr(x)}). Store non-array values as ctx "
                     f"attributes instead (ctx.value = ...)."
                 )
         return xs
@@ -153,7 +149,7 @@ class FunctionCtx:
                 raise TypeError(
                     f"{self._vjpkit_name}.{self._vjpkit_method}: "
                     f"mark_non_differentiable takes output arrays, but argument "
-                    f"{i} is {type(x).__name__} ({_short_repr(x)}). Non-array "
+                    f"{i} is {type(x).__name__} ({short_repr(x)}). Non-array "
                     "outputs are static and carry no gradient anyway; pass "
                     "only the output arrays that should carry none."
                 )
@@ -177,7 +173,7 @@ class FunctionCtx:
             if id(x) not in input_ids:
                 raise ValueError(
                     f"{self._vjpkit_name}.{self._vjpkit_method}: mark_dirty "
-                    f"argument {i} ({_short_repr(x)}) is not an input of "
+                    f"argument {i} ({short_repr(x)}) is not an input of "
                     "forward; only inputs can be marked dirty. Pass the input "
                     "whose new value forward returns (x, not the result of "
                     "x.at[i].set(v)); a new array needs no marking."
@@ -295,10 +291,3 @@ def keep_host_residuals(ctx: FunctionCtx, residuals: Any) -> None:
 
 def host_residuals(ctx: FunctionCtx) -> Any:
     return ctx._vjpkit_host
-
-
-def _short_repr(x: Any) -> str:
-    if is_array(x):
-        return f"array of shape {tuple(x.shape)} and dtype {x.dtype}"
-    text = repr(x)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -21,9 +21,11 @@ checks are vjpkit's own. Each derivative is again a generated Function:
 
 - level 0 runs the original (``Cls.apply`` or the callable);
 - level k+1 is the vector-Jacobian product of level k, computed by torch
-  autograd (``torch.autograd.grad``), which calls the class's own
-  ``backward`` with ``needs_input_grad``, ``mark_non_differentiable``,
-  ``set_materialize_grads`` and ``once_differentiable`` as in PyTorch.
+  autograd (``torch.autograd.grad``, or ``.backward()`` for a ``reentrant``
+  original), which calls the class's own ``backward`` with
+  ``needs_input_grad``, ``mark_non_differentiable``,
+  ``set_materialize_grads`` and ``once_differentiable`` as in PyTorch; what
+  that backward leaves in an argument's ``.grad`` is part of its gradient.
 
 A torch graph cannot live from one callback to the next (under ``jit`` the
 forward callback may run long before the backward one, or be dropped), so
@@ -44,17 +46,17 @@ import jax
 import numpy as np
 
 from . import _sharding
-from ._ctx import FunctionCtx, is_array
+from ._ctx import FunctionCtx
 from ._function import Function
 from ._host import _pure_callback
 from ._once import call_without_derivative, once_differentiable
 from ._outputs import is_differentiable_dtype
-from ._tree import Partition, partition
+from ._tree import Partition, is_array, partition
 
 __all__ = ["from_torch"]
 
 
-def from_torch(obj: Any, *, copy_inputs: bool = False) -> Any:
+def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, mode: str = "callback") -> Any:
     """Wraps a ``torch.autograd.Function`` subclass, or a torch callable, as a JAX function.
 
     Args:
@@ -65,6 +67,18 @@ def from_torch(obj: Any, *, copy_inputs: bool = False) -> Any:
             views. Needed when the original writes into its inputs or its
             gradients in place (``x.add_(1)`` with ``ctx.mark_dirty(x)``,
             ``grad_output[mask] = 0``): a view would write into JAX's buffer.
+        reentrant: compute gradients with ``torch.autograd.backward(outputs,
+            cotangents)`` (no ``inputs``) instead of ``torch.autograd.grad``.
+            Needed when the original's backward refuses ``torch.autograd.grad``
+            (PyTorch's reentrant checkpoint and its copies). Then every leaf
+            the original reaches accumulates ``.grad``, as under ``.backward()``
+            in PyTorch; from_torch reads its own leaves' and clears them.
+        mode: ``"callback"`` runs the original on the host on every call;
+            ``"trace"`` runs its torch operations as JAX operations, compiled
+            with the rest of the program (an operation with no JAX rule, or
+            code that reads a value, raises ``NotImplementedError`` naming
+            it); ``"auto"`` traces where the original traces on a call's
+            signature, and uses callbacks otherwise.
 
     Returns:
         A vjpkit Function class (for a Function subclass) or its ``apply``.
@@ -74,9 +88,13 @@ def from_torch(obj: Any, *, copy_inputs: bool = False) -> Any:
     differentiate), it cannot be fused or sharded by XLA, and forward mode
     needs the original's ``jvp`` (or torch's forward AD, for a callable).
     """
+    if mode not in _MODES:
+        raise ValueError(f"vjpkit.from_torch: mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}.")
     torch = _import_torch()
     if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
-        return _from_function_class(torch, obj, copy_inputs)
+        if mode == "callback":
+            return _from_function_class(torch, obj, copy_inputs, reentrant)
+        return _traced_function_class(torch, obj, copy_inputs, reentrant, mode)
     if isinstance(obj, type) and issubclass(obj, Function):
         raise TypeError(
             f"vjpkit.from_torch({obj.__name__}): {obj.__name__} is already a vjpkit Function; "
@@ -87,7 +105,42 @@ def from_torch(obj: Any, *, copy_inputs: bool = False) -> Any:
             f"vjpkit.from_torch expects a torch.autograd.Function subclass or a callable of "
             f"tensors, got {type(obj).__name__}."
         )
-    return _from_callable(torch, obj, copy_inputs)
+    if mode == "callback":
+        return _from_callable(torch, obj, copy_inputs, reentrant)
+    from . import _torch_trace
+
+    name = getattr(obj, "__name__", type(obj).__name__).replace("<lambda>", "lambda")
+    traced = _torch_trace.trace_callable(obj, name)
+    if mode == "auto":
+        traced = _torch_trace.auto(traced, _from_callable(torch, obj, copy_inputs, reentrant), name)
+    traced = functools.wraps(obj)(traced)
+    traced._vjpkit_from_torch = True  # type: ignore[attr-defined]
+    return traced
+
+
+_MODES = ("callback", "trace", "auto")
+
+
+def _traced_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: bool, mode: str) -> Any:
+    """``from_torch(cls, mode="trace")``, or ``"auto"``: the class's methods as JAX operations."""
+    from . import _torch_trace
+
+    base = torch.autograd.Function
+    new_style = _defines(cls, base, "setup_context")
+    if new_style and (_defines(cls, base, "vmap") or getattr(cls, "generate_vmap_rule", False)):
+        if mode == "auto":
+            return _from_function_class(torch, cls, copy_inputs, reentrant)
+        raise _torch_trace.Untraceable(f"{cls.__name__}.vmap", "is torch's batching rule; trace mode batches "
+                                       "the traced operations and would ignore it (use mode='callback' or 'auto')")
+    params = list(inspect.signature(cls.forward).parameters.values())[0 if new_style else 1:]
+    backward = cls.backward if _defines(cls, base, "backward") else None
+    traced = _torch_trace.trace_function_class(
+        cls, params, new_style=new_style, has_backward=backward is not None, has_jvp=_defines(cls, base, "jvp"),
+        once=backward is not None and _is_torch_once_differentiable(backward))
+    if mode == "trace":
+        return traced
+    callback = _from_function_class(torch, cls, copy_inputs, reentrant)
+    return _torch_trace.Either(cls.__name__, _torch_trace.auto(traced.apply, callback.apply, cls.__name__))
 
 
 def _import_torch() -> Any:
@@ -104,7 +157,7 @@ def _import_torch() -> Any:
 # The two fronts: a Function class and a callable.
 
 
-def _from_function_class(torch: Any, cls: Any, copy_inputs: bool) -> Any:
+def _from_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: bool) -> Any:
     base = torch.autograd.Function
     name = cls.__name__
     new_style = _defines(cls, base, "setup_context")
@@ -120,6 +173,7 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool) -> Any:
         backward_name=f"{name}.backward",
         params=params,
         copy_inputs=copy_inputs,
+        reentrant=reentrant,
         # torch.func.vmap runs the class's own batching rule; it needs setup_context.
         batching_rule=new_style and (_defines(cls, base, "vmap") or bool(getattr(cls, "generate_vmap_rule", False))),
         has_jvp=_defines(cls, base, "jvp"),
@@ -128,7 +182,7 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool) -> Any:
     return _level_zero_class(origin, differentiable=backward is not None, doc=cls.__doc__)
 
 
-def _from_callable(torch: Any, fn: Callable, copy_inputs: bool) -> Callable:
+def _from_callable(torch: Any, fn: Callable, copy_inputs: bool, reentrant: bool) -> Callable:
     name = getattr(fn, "__name__", type(fn).__name__).replace("<lambda>", "lambda")
     origin = _Origin(
         torch=torch,
@@ -138,6 +192,7 @@ def _from_callable(torch: Any, fn: Callable, copy_inputs: bool) -> Callable:
         backward_name=f"{name} (torch autograd)",
         params=list(inspect.signature(fn).parameters.values()),
         copy_inputs=copy_inputs,
+        reentrant=reentrant,
         batching_rule=False,
         has_jvp=True,  # torch's own forward derivatives of its operations
         once=False,
@@ -169,7 +224,8 @@ class _Origin:
     """The original: how to call it, and how to name it in errors."""
 
     def __init__(self, *, torch: Any, name: str, call: Callable, forward_name: str, backward_name: str,
-                 params: list, copy_inputs: bool, batching_rule: bool, has_jvp: bool, once: bool):
+                 params: list, copy_inputs: bool, reentrant: bool, batching_rule: bool, has_jvp: bool,
+                 once: bool):
         self.torch = torch
         self.name = name
         self.call = call
@@ -178,6 +234,7 @@ class _Origin:
         self.params = params
         self.keyword_only = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
         self.copy_inputs = copy_inputs
+        self.reentrant = reentrant  # gradients by .backward() without inputs, not torch.autograd.grad
         self.batching_rule = batching_rule
         self.has_jvp = has_jvp  # whether torch's forward AD can run the original
         self.once = once  # whether the original's backward is once_differentiable
@@ -370,12 +427,7 @@ class _Program:
             with_cotangent = [o for o, g in zip(differentiable, given, strict=True) if g]
             pairs = [(o, c) for o, c in zip(with_cotangent, cts, strict=True) if o is not None and o.requires_grad]
             targets = [x for x, w in zip(xs, wanted, strict=True) if w]
-            if pairs:
-                grads = torch.autograd.grad([o for o, _ in pairs], targets, [c for _, c in pairs],
-                                            create_graph=create_graph, allow_unused=True)
-            else:
-                grads = [None] * len(targets)
-            return list(grads)
+            return _torch_gradients(torch, pairs, targets, create_graph, origin.reentrant)
 
         diff_out = [k for k, d in zip(inner.out_kinds, inner.differentiable_out, strict=True) if d]
         in_kinds = (*inner.in_kinds, *(k for k, g in zip(diff_out, given, strict=True) if g))
@@ -473,7 +525,14 @@ class _Program:
             if not _reraisable(e):
                 raise
             raise type(e)(f"{self.method} (PyTorch, run by vjpkit.from_torch) raised "
-                          f"{type(e).__name__}: {e}") from e
+                          f"{type(e).__name__}: {e}{self._hint(e)}") from e
+
+    def _hint(self, e: Exception) -> str:
+        # PyTorch's reentrant checkpoint (and its copies) refuse torch.autograd.grad, naming .grad().
+        if self.origin.reentrant or ".grad()" not in str(e):
+            return ""
+        return (f"\n{self.origin.name} needs a full .backward() (a reentrant backward, as in PyTorch's "
+                f"checkpoint): pass reentrant=True to vjpkit.from_torch.")
 
     def _check_unchanged(self, tensors: list, versions: list) -> None:
         for k, (t, v) in enumerate(zip(tensors, versions, strict=True)):
@@ -487,6 +546,34 @@ class _Program:
     def _to_numpy(self, outs: Sequence[Any], kinds: Sequence[tuple] | None = None) -> list:
         kinds = self.out_kinds if kinds is None else kinds
         return [_numpy_of(self.origin.torch, o, shape, dtype) for o, (shape, dtype) in zip(outs, kinds, strict=True)]
+
+
+def _torch_gradients(torch: Any, pairs: list, targets: list, create_graph: bool, reentrant: bool) -> list:
+    """The targets' gradients: what torch's backward computes, plus what the original's own
+    backward put into their ``.grad`` (``None`` for a zero).
+
+    The targets are leaves that from_torch made. Torch computes their gradients by
+    ``torch.autograd.grad``, or, for a ``reentrant`` original, by ``.backward()`` without
+    ``inputs``, the one call PyTorch's reentrant checkpoint accepts. Either way ``.grad`` is read
+    afterwards: a backward that runs a backward of its own (RevTorch's reversible block, a
+    checkpoint) delivers gradients by side effect, into the leaves the caller passed in.
+    """
+    outputs, cotangents = [o for o, _ in pairs], [c for _, c in pairs]
+    found: list = [None] * len(targets)
+    if pairs and reentrant:
+        # .grad keeps a forward-mode tangent (forward over reverse) only when the graph is kept.
+        dual = any(torch.autograd.forward_ad.unpack_dual(o).tangent is not None for o in outputs)
+        with warnings.catch_warnings():  # create_graph with .backward(): a reference cycle, undone below
+            warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
+            torch.autograd.backward(outputs, cotangents, create_graph=create_graph or dual)
+    elif pairs:
+        found = list(torch.autograd.grad(outputs, targets, cotangents, create_graph=create_graph,
+                                         allow_unused=True))
+    for k, t in enumerate(targets):
+        if t.grad is not None:  # taken off the leaf: a higher order reuses it as an input
+            found[k] = t.grad if found[k] is None else found[k] + t.grad
+            t.grad = None
+    return found
 
 
 def _reraisable(e: Exception) -> bool:
@@ -539,7 +626,10 @@ def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[li
     torch = program.origin.torch
     meta = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device="meta") for shape, dtype in program.in_kinds]
     try:
-        with torch.no_grad():
+        # Warnings about these made-up calls (torch's checkpoint: "None of the inputs have
+        # requires_grad=True") would surface at trace time for calls the user never made.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             run(meta, False)
     except Exception:
         # Positive values first (steps, scales, norms), then both signs; torch's error from the last.
@@ -548,7 +638,8 @@ def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[li
             rng = np.random.default_rng(0)
             samples = [torch.from_dlpack(_sample(rng, shape, dtype, low)) for shape, dtype in program.in_kinds]
             try:
-                with torch.no_grad():
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
                     program._guarded(run, samples, False)
                 break
             except Exception:

@@ -23,7 +23,7 @@ Usage::
     jax.jit(jax.grad(lambda A, b: Solve(A, b).sum()))(A, b)
 
 This module turns the user's NumPy methods into JAX-traceable ``forward``
-and ``backward`` methods that the core (``_program.Program``) runs like
+and ``backward`` methods that the core (``_runner.Runner``) runs like
 any other Function's, so jit, grad, vmap and scan need no second path.
 
 The key differences to a JAX Function are:
@@ -51,18 +51,16 @@ import numpy as np
 from . import _jax_internals, _sharding
 from ._ctx import (
     FunctionCtx,
-    _short_repr,
     call_forward,
     closing,
     forwarded,
     host_residuals,
-    is_array,
     keep_host_residuals,
     rule_ctx,
 )
 from ._once import call_without_derivative
-from ._outputs import check_backward_outputs, is_differentiable_dtype
-from ._tree import partition
+from ._outputs import check_backward_outputs, short_repr
+from ._tree import is_array, is_differentiable_dtype, partition
 
 VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
 
@@ -143,7 +141,7 @@ class _HostFunction:
         if self.output_shapes is not None and not callable(self.output_shapes):
             raise TypeError(
                 f"{self.name}.output_shapes must be a staticmethod taking forward's "
-                f"inputs as jax.ShapeDtypeStructs, got {_short_repr(self.output_shapes)}."
+                f"inputs as jax.ShapeDtypeStructs, got {short_repr(self.output_shapes)}."
             )
 
     # -- JAX side: run while JAX traces -----------------------------------
@@ -241,14 +239,14 @@ class _HostFunction:
         )
         if not path_leaves:
             raise TypeError(
-                f"{self.name}.output_shapes returned {_short_repr(declared)}: expected a "
+                f"{self.name}.output_shapes returned {short_repr(declared)}: expected a "
                 "jax.ShapeDtypeStruct, or a tuple (or pytree) of them, one per output."
             )
         leaves = []
         for path, leaf in path_leaves:
             if not _is_shape_like(leaf):
                 raise TypeError(
-                    f"{self.name}.output_shapes returned {_short_repr(leaf)} for "
+                    f"{self.name}.output_shapes returned {short_repr(leaf)} for "
                     f"{_output_name(path)}: expected a jax.ShapeDtypeStruct(shape, dtype) "
                     "(or any array, or an input, with that output's shape and dtype)."
                 )
@@ -398,7 +396,7 @@ class _HostCall:
         result = self.host.signature.call(self.host.vmap, (VmapInfo(size), in_dims), values)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
-                f"{self.name}.vmap returned {_short_repr(result)}: expected a pair "
+                f"{self.name}.vmap returned {short_repr(result)}: expected a pair "
                 "(outputs, out_dims), as torch.autograd.Function.vmap does."
             )
         out, out_dims = result
@@ -432,7 +430,7 @@ class _HostCall:
         dims = jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, list))
         if per_subtree is None or not all(map(is_dim, (d for ds in dims for d in ds))):
             raise TypeError(
-                f"{self.name}.vmap returned out_dims={_short_repr(out_dims)} for outputs "
+                f"{self.name}.vmap returned out_dims={short_repr(out_dims)} for outputs "
                 f"{_describe(out)}: expected an int or None for every output, or a pytree "
                 f"of them with the outputs' structure (as torch.autograd.Function.vmap's "
                 "out_dims): the axis of each output that holds the batch, None where an "
@@ -642,4 +640,4 @@ def _batch_to_back(g: Any, batch: tuple) -> Any:
 
 def _describe(out: Any) -> str:
     n = len(jax.tree_util.tree_leaves(out))
-    return f"{_short_repr(out) if n <= 1 else f'{n} outputs'} (structure {jax.tree_util.tree_structure(out)})"
+    return f"{short_repr(out) if n <= 1 else f'{n} outputs'} (structure {jax.tree_util.tree_structure(out)})"

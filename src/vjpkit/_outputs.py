@@ -9,8 +9,7 @@ cotangents back into the arguments backward expects (PyTorch style), and
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +18,15 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _jax_internals
 from ._args import as_jax_leaf
-from ._ctx import _short_repr, is_array
-from ._tree import Partition, partition
+from ._tree import Partition, is_array, is_differentiable_dtype, partition
 
 
-@functools.lru_cache(maxsize=None)  # few distinct dtypes; asked per array while tracing
-def is_differentiable_dtype(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
+def short_repr(x: Any) -> str:
+    """``x`` in an error message: an array by its shape and dtype, anything else by a short repr."""
+    if is_array(x):
+        return f"array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Packed:
@@ -48,6 +49,30 @@ class Packed:
 jax.tree_util.register_dataclass(Packed, data_fields=["arrays"], meta_fields=["layout"])
 
 
+class ResidualMeta(NamedTuple):
+    """Static data carried from forward to backward inside the residual treedef."""
+
+    layout: Partition  # where saved arrays and ctx attributes go
+    needs: tuple
+    differentiable: tuple  # per array output: whether it carries a gradient
+    out_avals: tuple
+    materialize: bool
+    in_kinds: tuple
+
+
+class Residuals:
+    """What forward leaves backward (and jvp): residual arrays, and the static ``meta``."""
+
+    __slots__ = ("arrays", "meta")
+
+    def __init__(self, arrays: tuple, meta: ResidualMeta):
+        self.arrays = arrays
+        self.meta = meta
+
+
+jax.tree_util.register_dataclass(Residuals, data_fields=["arrays"], meta_fields=["meta"])
+
+
 # The layout of a single array output, the common case: built once.
 _ONE_ARRAY = partition(0, lambda leaf: True)[0]
 
@@ -63,7 +88,7 @@ def pack_outputs(owner: str, out: Any) -> Packed:
     layout, arrays = partition(out, is_array)
     if not arrays and layout.static:
         raise TypeError(
-            f"{owner}.forward returned no array ({_short_repr(out)}); a Function "
+            f"{owner}.forward returned no array ({short_repr(out)}); a Function "
             "must return at least one array."
         )
     return Packed(tuple(map(as_jax_leaf, arrays)), layout)
@@ -183,7 +208,7 @@ def check_backward_outputs(
                     raise TypeError(
                         f"{owner}.{method} returned a gradient for {where}, which is "
                         f"static (not an array, so not differentiated): expected None, "
-                        f"got {_short_repr(grad)}.{_STATIC_HINT}"
+                        f"got {short_repr(grad)}.{_STATIC_HINT}"
                     ) from None
                 got = jax.tree_util.tree_structure(grad, is_leaf=lambda x: x is None)
                 raise TypeError(
@@ -198,7 +223,7 @@ def check_backward_outputs(
                     raise TypeError(
                         f"{owner}.{method} returned a gradient for {at}, which is "
                         f"static (not an array, so not differentiated): expected "
-                        f"None, got {_short_repr(g)}.{_STATIC_HINT}"
+                        f"None, got {short_repr(g)}.{_STATIC_HINT}"
                     )
                 continue
             shape, dtype, *varying = kind
@@ -210,7 +235,7 @@ def check_backward_outputs(
                 continue
             if not is_array(g):
                 raise TypeError(
-                    f"{owner}.{method} returned {_short_repr(g)} "
+                    f"{owner}.{method} returned {short_repr(g)} "
                     f"({type(g).__name__}) as the gradient for {at}: expected an "
                     f"array of shape {shape} and dtype {dtype}, or None."
                 )
@@ -289,3 +314,69 @@ def _fit_dtype(owner: str, method: str, at: object, g: Any, dtype: Any, what: st
             "explicitly if that is what you mean."
         )
     return jnp.asarray(g).astype(dtype)
+
+
+def check_jvp_outputs(name: str, result: Any, layout: Partition, differentiable: tuple, out_avals: tuple) -> list:
+    """jvp's tangents, one per differentiable output: checked (count, structure, shape) and cast to its dtype."""
+    spread = layout.is_tuple()  # a tuple output: one tangent per element
+    n_outputs = len(layout.treedef.children()) if spread else 1
+    if spread:
+        if not isinstance(result, tuple):
+            result = (result,)
+        if len(result) != n_outputs:
+            raise TypeError(
+                f"{name}.jvp returned {len(result)} tangent{'s' if len(result) != 1 else ''}, "
+                f"expected {n_outputs} (one per output of forward)."
+            )
+        structured = result
+    else:
+        # A single array matches any structure, so a tuple is never its tangent.
+        single = jax.tree_util.treedef_is_leaf(layout.treedef)
+        if isinstance(result, tuple) and (single or not _same_structure(layout.treedef, result)):
+            if len(result) != 1:
+                raise TypeError(
+                    f"{name}.jvp returned {len(result)} tangents, expected 1 (one per "
+                    f"output of forward, which returns a single "
+                    f"{'array' if single else 'pytree'}, not a tuple). Return the "
+                    "tangent itself."
+                )
+            result = result[0]
+        structured = result
+    try:
+        leaves = layout.treedef.flatten_up_to(structured)
+    except (ValueError, TypeError):
+        got = jax.tree_util.tree_structure(structured, is_leaf=lambda x: x is None)
+        raise TypeError(
+            f"{name}.jvp returned tangents with structure {got}, expected the "
+            f"output's structure {layout.treedef} (None is allowed for any part)."
+        ) from None
+    by_position = dict(zip(layout.dynamic, range(len(layout.dynamic)), strict=True))
+    tangents = []
+    for position, t in enumerate(leaves):
+        j = by_position.get(position)
+        if j is None or not differentiable[j]:
+            continue
+        shape, dtype = out_avals[j]
+        if t is None:
+            tangents.append(jnp.zeros(shape, dtype))
+            continue
+        if not is_array(t):
+            raise TypeError(
+                f"{name}.jvp returned {short_repr(t)} as the tangent of output {j}: "
+                f"expected an array of shape {shape} and dtype {dtype}, or None."
+            )
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name}.jvp returned a tangent of shape {tuple(t.shape)} for "
+                f"output {j}: expected shape {shape}."
+            )
+        tangents.append(_fit_dtype(name, "jvp", f"output {j}", t, dtype, what="tangent"))
+    return tangents
+
+
+def _same_structure(treedef: Any, value: Any) -> bool:
+    try:
+        treedef.flatten_up_to(value)
+    except (ValueError, TypeError):
+        return False
+    return True

@@ -1,104 +1,279 @@
-"""A program: the user's methods run on one static part of a call, while JAX traces.
+"""A program: one static part of a call, as one ``jax.custom_jvp`` for both modes, and its ``jit``s.
 
-The one forward runner and the one backward runner live here, shared by
-the ``custom_jvp`` rule (``_forward.py``) and the Function's own derivative
-(``_tie.py``):
+``Program`` owns the ``custom_jvp`` of the call's array leaves: its primal
+runs the user's forward, and its rule (``Program.rule``) runs forward
+knowing which inputs are differentiated, ties the outputs (``_tie.py``),
+and returns the output tangent as a ``linear_call`` (``_linear_call.py``)
+whose two rules are the Function's own derivative (``OwnDerivative``). The
+user's methods themselves run in ``_runner.py``.
 
-- ``run_forward``: arguments rebuilt from their array leaves, a ctx, the
-  user's forward (and setup_context), outputs packed and checked, and what
-  forward left on ctx split into residual arrays and static data;
-- ``run_backward``: output cotangents as backward expects them, a ctx
-  rebuilt from the residuals, the user's backward, its gradients checked.
+Every Function becomes a ``jax.custom_jvp`` (symbolic zeros, so
+``needs_input_grad`` is real) whose rule runs the user's forward and returns
+the output tangent through ``_linear_call.linear_call`` (``OwnDerivative``):
+
+- ``jax.jvp``/``jax.jacfwd`` evaluate that call: the user's ``jvp`` runs
+  (a class with only ``backward`` raises, naming the class);
+- ``jax.grad``/``jax.vjp``/``jax.jacrev`` transpose it: the user's
+  ``backward`` runs, or, for a class with only ``jvp``, JAX transposes the
+  user's ``jvp`` (which must then be linear in the tangents);
+- second order differentiates through the residuals as well, and takes the
+  derivative of outputs and saved outputs from the same rules (``_tie``).
+
+Why not ``custom_vjp`` for a class with only ``backward``: forward may
+save different arrays (and always sees other ``needs_input_grad``) for each
+set of differentiated inputs, and ``custom_vjp`` keeps one residual
+structure per traced call, that of the last forward rule it traced, for
+every backward of that call (jax#16614): a jitted program differentiated
+eagerly with respect to ``x``, then ``w``, then both, ran backward with the
+second call's ``needs_input_grad``. A ``custom_jvp`` keeps each rule's
+trace, with its residuals and ``linear_call``, together.
+
+Why not ``custom_jvp`` alone: JAX would transpose the jvp rule for reverse
+mode and never call ``backward``. Why not ``linear_call`` from JAX: it has
+no batching rule (``jax.jacfwd`` vmaps) and its JVP rule asserts that the
+residuals are constant (``jax.hessian`` fails).
 """
 
 from __future__ import annotations
 
-import linecache
-import os
-from typing import Any, Callable, NamedTuple, Sequence
+import inspect
+from typing import Any, Callable, Sequence
 
 import jax
-import jax.custom_batching
 import jax.numpy as jnp
-import numpy as np
-from jax.errors import (
-    ConcretizationTypeError,
-    TracerArrayConversionError,
-    TracerBoolConversionError,
-    TracerIntegerConversionError,
-)
+from jax.custom_derivatives import SymbolicZero
 
-from . import _anomaly, _host, _jax_internals, _sharding
-from ._args import Signature, as_jax_leaf, split_residuals
-from ._ctx import Carried, FunctionCtx, call_forward, close, dirty_of, forwarded, is_array, method_of, rule_ctx
-from ._once import call_without_derivative, is_once_differentiable
-from ._outputs import (
-    Packed,
-    check_backward_outputs,
-    differentiable_outputs,
-    is_differentiable_dtype,
-    output_cotangents,
-    pack_outputs,
-)
-from ._tree import Partition, Unkeyable, find_tracer, partition
+from . import _jax_internals, _sharding
+from ._args import as_arrays
+from ._linear_call import linear_call
+from ._outputs import Packed, ResidualMeta, Residuals
+from ._runner import Runner, Spec
+from ._tie import tie_outputs
+from ._tree import Partition, is_differentiable_dtype
 
 
-class Spec:
-    """What vjpkit reads off a class, once: its methods (those ``base`` defines count as absent) and options."""
+class Program:
+    """The differentiable function (and its ``jit``) for one static part of a call (``layout``).
 
-    def __init__(self, cls: Any, base: type):
-        self.name = cls.__name__
-        self.forward = cls.forward
-        # PyTorch documents ``vjp`` as another name of ``backward``.
-        self.backward = _defined(cls, base, "backward") or getattr(cls, "vjp", None)
-        self.jvp = _defined(cls, base, "jvp")
-        self.setup_context = _defined(cls, base, "setup_context")
-        self.signature = Signature(self.name, self.forward, skip_first=self.setup_context is None)
-        sig = self.signature
-        self.takes_inputs = any(name not in sig.defaults for name in (*sig.positional, *sig.keyword_only))
-        # A class made inside a transformed function may close over that function's tracers, which a jit of
-        # its own cannot hold (JAX lowers them as constants): such a class runs as a plain custom_vjp does.
-        self.closure_tracers = _closure_tracers(self.forward, self.backward, self.jvp, self.setup_context)
-        self.closes_over_tracer = bool(self.closure_tracers)
-        self.jit = bool(cls.jit) and not self.closes_over_tracer
-        self.cache_size = _cache_size(self.name, cls.cache_size)
-        self.once_differentiable = is_once_differentiable(self.backward)
-        self.host = bool(cls.host)
-        self.vmap = _vmap_rule(cls, self)
-        if cls.host:
-            _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
+    ``differentiable``: the ``custom_jvp`` of the call's array leaves,
+    returning ``Packed``; ``jit()``: new ``jax.jit``s of it. ``runner``
+    runs the user's methods.
+    """
+
+    def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
+        self.spec = spec
+        self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
+        self.runner = Runner(spec, layout, n_values, anomaly)
+        self.differentiable: Callable = self._custom_jvp()
+        # The jit of _jit_body lives in the cache entry, not on the program: JAX's
+        # caches keep jaxprs whose custom_jvp rules refer to the program, so a
+        # program that referred to its jit would keep that jit's cache key (and
+        # compiled executables) alive after vjpkit's cache dropped it.
+
+    def _custom_jvp(self) -> Any:
+        spec, runner = self.spec, self.runner
+        primal = _named(runner.primal, spec.name)
+        function = jax.custom_jvp(primal)
+
+        def rule(primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
+            return self.rule(primals, tangents)
+
+        rule.__name__ = rule.__qualname__ = f"{spec.name}.jvp"
+        # JAX would work these out anew on every call while tracing (the same each time).
+        n_arrays = len(runner.layout.dynamic)
+        _jax_internals.save_debug_info(primal, "custom_jvp fun", n_arrays)
+        _jax_internals.save_rule_debug_info(rule, "custom_jvp jvp", n_arrays)
+        function.defjvp(rule, symbolic_zeros=True)
+        return function
+
+    def jit(self) -> tuple[Callable, Callable]:
+        """New ``jax.jit``s of the program (one pair per cache entry): for calls on tracers, and on arrays.
+
+        The second inlines when an outer jit traces (a call on closed-over
+        arrays); the first keeps backward in a program of its own under
+        eager ``jax.grad`` (backward sees tracers, as everywhere else).
+        """
+        body = _named(self._jit_body, self.spec.name)
+        return jax.jit(body), jax.jit(body, inline=_jax_internals.INLINE_INTO_CALLER)
+
+    def _jit_body(self, *arrays: Any) -> Any:
+        packed = self.differentiable(*arrays)
+        # jit can return static leaves only inside a pytree's static data.
+        return packed if packed.layout.static else packed.unpack()
+
+    # -- the custom_jvp's rule ---------------------------------------------
+
+    def rule(self, primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
+        """forward's outputs, and their tangent through ``linear_call`` (``tangents``: ``SymbolicZero`` where none)."""
+        spec, runner = self.spec, self.runner
+        if spec.backward is None and spec.jvp is None:
+            raise not_differentiable(spec)
+        if spec.jvp is None and _jax_internals.differentiation("custom_jvp rule") != "vjp":
+            raise no_forward_mode(spec)
+        arrays = as_arrays(primals)
+        perturbed = [type(t) is not SymbolicZero for t in tangents]
+        tangents = tuple(t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents)
+        needs = runner.needs_input_grad(perturbed, arrays)
+        perturbed = [p and is_differentiable_dtype(x.dtype) for p, x in zip(perturbed, arrays, strict=True)]
+        with _jax_internals.on_primal_trace(arrays):
+            packed, residuals = runner.run_forward(arrays, needs, forward_mode=True)
+            # Under a higher-order derivative, outputs and saved outputs differentiate by jvp, not forward's code.
+            packed, residuals = self._tied(arrays, packed, residuals)
+        in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
+        linear = [d for d, p in enumerate(perturbed) if p]
+        own = OwnDerivative(self, residuals.meta, packed.layout, in_avals, linear, first_order=True)
+
+        tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
+        if linear and own.outputs:
+            # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
+            out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
+            computed = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types)
+            for j, t in zip(own.outputs, computed, strict=True):
+                tangents_out[j] = t
+        return packed, Packed(tuple(tangents_out), packed.layout)
+
+    # -- the tie's derivative ----------------------------------------------
+
+    def _tied(self, arrays: tuple, packed: Packed, residuals: Residuals) -> tuple[Packed, Residuals]:
+        """forward's outputs and residuals, each output (returned or saved) tied to the Function's own rules.
+
+        Host Functions are left alone: their second derivative raises anyway.
+        """
+        if self.spec.host:
+            return packed, residuals
+        outputs, res = tie_outputs(self, residuals.meta, packed.layout, arrays, packed.arrays, residuals.arrays)
+        return Packed(outputs, packed.layout), Residuals(res, residuals.meta)
+
+    def tie_tangents(self, tie: Any, inputs: list, residuals: list, moving: list, tangents: list,
+                     out_types: list) -> list:
+        """The tangents of a tie's outputs: the Function's own derivative along the ``moving`` inputs.
+
+        ``tie`` (a ``_tie._Tie``) carries the forward run's residual metadata
+        and output layout; ``residuals`` are that run's residuals, tied again.
+        """
+        meta, runner = tie.meta, self.runner
+        perturbed = [d in moving for d in range(len(inputs))]
+        needs = tuple(a or b for a, b in zip(meta.needs, runner.needs_input_grad(perturbed, inputs), strict=True))
+        if needs != meta.needs:
+            # The outer derivative moves an input that forward was told needs
+            # no gradient (a gradient penalty's parameters): run forward again
+            # as PyTorch would have, knowing every input that needs one.
+            packed, again = runner.run_forward(as_arrays(inputs), needs)
+            _, again = self._tied(tuple(inputs), packed, again)
+            meta, residuals = again.meta, list(again.arrays)
+        in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
+        own = OwnDerivative(self, meta, tie.out_layout, in_avals, moving)
+        return own.tangents(residuals, tangents, out_types)
 
 
-    def partition_arguments(self, values: tuple) -> tuple[Partition, list]:
-        """The bound arguments split into the static part (keyed by value) and the arrays."""
-        try:
-            return partition(values, is_array, by_value=True)
-        except Unkeyable as e:
-            raise self._unkeyable(values, e) from None
+class OwnDerivative:
+    """A Function's own derivative at one forward run: output tangents from input tangents.
 
-    def _unkeyable(self, values: tuple, e: Unkeyable) -> TypeError:
-        holder = next(i for i, v in enumerate(values) if _path_in(e, v) is not None)
-        name = self.signature.names(len(values))[holder]
-        where = f"{name}{_path_in(e, values[holder])}"
-        culprit, owner = e.culprit, type(e.value).__name__
-        if e.reason == "array":
-            problem = (
-                f"{where} is an array (shape {tuple(culprit.shape)}, dtype {culprit.dtype}), which cannot be "
-                "part of a compile-cache key. Pass the array as an argument of its own (arrays are traced), "
-                f"or hold Python values (floats, tuples) in the {owner} instead."
-            )
+    ``linear`` lists the input leaves whose tangents are the linear inputs;
+    the tangents computed are those of the differentiable outputs.
+    ``first_order``: the Function's own rule, not a tie's; evaluating it
+    is forward mode, which a class without ``jvp`` does not have.
+    """
+
+    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_avals: list, linear: list,
+                 first_order: bool = False):
+        self.runner = program.runner
+        self.spec = program.spec
+        self.name = program.spec.name
+        self.meta = meta
+        self.out_layout = out_layout
+        self.in_avals = in_avals
+        self.linear = linear
+        self.outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
+        self.first_order = first_order
+
+    def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any]) -> list:
+        """One tangent per differentiable output (of types ``out_types``), as a ``linear_call``.
+
+        Evaluating it runs ``jvp`` (or, without one, ``backward`` transposed
+        by JAX); transposing it runs ``backward`` (or, without one, ``jvp``
+        transposed by JAX).
+        """
+        spec = self.spec
+        if spec.closes_over_tracer and spec.jvp is not None:
+            # The methods close over a tracer of an enclosing transformation, which a primitive's rule cannot
+            # hold: jvp runs inline, where that tracer lives, and reverse mode transposes it (a custom_jvp's way).
+            return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
+
+        shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
+        gradient_shardings = [shardings[d] for d in self.linear]
+
+        def backward_rule(residuals: tuple, cotangents: tuple) -> list:
+            # Under Explicit mesh axes the zeros for absent gradients are typed as their inputs too.
+            return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), gradient_shardings)
+
+        backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
+        if spec.jvp is not None:
+            apply = self.apply_jvp
         else:
-            kind = type(culprit).__name__
-            problem = (
-                f"{where} is an unhashable {kind} "
-                f"{'that refers back to itself' if e.reason == 'cycle' else 'with no fields to compare'}. "
-                f"Make {kind} hashable (define __eq__ and __hash__, or use @dataclass(frozen=True)) "
-                "to key it by its own equality."
-            )
-        return TypeError(
-            f"{self.name}.apply: static argument {name!r} ({owner}) is keyed by its contents, so that a "
-            f"changed object gets a new program; but {problem}"
+            apply = _NoForwardMode(self) if self.first_order else self.apply_transposed_backward
+        return linear_call(
+            tuple(residuals),
+            list(linear_tangents),
+            apply=apply,
+            transpose=backward_rule if spec.backward is not None else None,
+            out_avals=out_types,
+            name=self.name,
         )
+
+    # -- the two rules of the linear_call ---------------------------------
+
+    def apply_jvp(self, residuals: tuple, linear: tuple) -> list:
+        """Output tangents (differentiable outputs) from input tangents: user's jvp."""
+        return self.runner.run_jvp(self.meta, residuals, self.out_layout, self.in_avals, self.linear, linear)
+
+    def apply_backward(self, residuals: tuple, cotangents: tuple) -> list:
+        """Input cotangents (linear inputs) from output cotangents: user's backward."""
+        full: list = [SymbolicZero(None)] * len(self.meta.out_avals)  # type: ignore[arg-type]  # absent
+        for j, ct in zip(self.outputs, cotangents, strict=True):
+            if ct is not None:
+                full[j] = ct
+        per_leaf = self.runner.run_backward(Residuals(tuple(residuals), self.meta), self.out_layout, full)
+        return [
+            jnp.zeros(*self.in_avals[d]) if per_leaf[d] is None else per_leaf[d]
+            for d in self.linear
+        ]
+
+    def apply_transposed_backward(self, residuals: tuple, linear: tuple) -> list:
+        """Output tangents from input tangents, for a class without jvp: backward, transposed by JAX."""
+        structs = [jax.ShapeDtypeStruct(*self.meta.out_avals[j]) for j in self.outputs]
+        try:
+            transposed = jax.linear_transpose(lambda *cts: self.apply_backward(residuals, cts), *structs)
+            return list(transposed(list(linear)))
+        except Exception as e:  # JAX raises several types for code it cannot transpose
+            raise TypeError(
+                f"{self.name} defines no jvp, so inside a higher-order derivative taken "
+                "in forward mode (jax.hessian, jax.jacfwd of jax.grad) the derivative of "
+                f"its outputs is {self.name}.backward transposed by JAX, which needs "
+                "backward to be linear in the gradients and written in transposable "
+                f"JAX operations; transposing it failed: {e}. Define "
+                f"{self.name}.jvp(ctx, *tangents), or take the derivative in reverse "
+                "mode twice (jax.jacrev of jax.jacrev)."
+            ) from e
+
+class _NoForwardMode:
+    """The first-order rule of a class without jvp: backward transposed, which forward mode may not run.
+
+    ``linear_call`` raises ``forward_mode_error()`` where the rule would run
+    for its value (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``; also after
+    ``jax.grad`` of a jitted program, whose rule trace JAX reuses); tracing
+    it for its effects, transposing it (reverse mode) and differentiating it
+    along the residuals (a higher order) run backward transposed.
+    """
+
+    def __init__(self, own: OwnDerivative):
+        self.own = own
+
+    def __call__(self, residuals: tuple, linear: tuple) -> list:
+        return self.own.apply_transposed_backward(residuals, linear)
+
+    def forward_mode_error(self) -> TypeError:
+        return no_forward_mode(self.own.spec)
 
 
 def no_forward_mode(spec: Spec) -> TypeError:
@@ -122,446 +297,15 @@ def not_differentiable(spec: Spec) -> TypeError:
     )
 
 
-def _leaf_path(tree: Any, position: int) -> str:
-    """The key path of the leaf at ``position`` in ``tree``'s flattening."""
-    return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][position][0])
+def _named(fn: Callable, name: str) -> Callable:
+    """A plain function named ``name`` (JAX's error messages and jaxprs show it)."""
 
+    def named(*args: Any) -> Any:
+        return fn(*args)
 
-def _path_in(e: Unkeyable, value: Any) -> str | None:
-    """Where in the argument ``value`` the unkeyable part is (None if elsewhere)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-        if leaf is e.value:
-            return jax.tree_util.keystr(path) + e.path
-    return None
+    named.__name__ = named.__qualname__ = name
+    named.__signature__ = _ANY_ARGUMENTS  # type: ignore[attr-defined]  # read by JAX on each call, never built
+    return named
 
 
-def profiled(owner: str, method: str) -> Any:
-    """A named scope ``Owner.method`` around a user's method: its ops carry the name in profiles.
-
-    JAX records the scope in each op's ``op_name`` metadata, which profilers
-    (TensorBoard, Perfetto) and the compiled HLO show; it costs nothing at run time.
-    """
-    return jax.named_scope(f"{owner}.{method}")
-
-
-# ---------------------------------------------------------------------------
-# A traced array's value asked for in the user's methods: vjpkit's message.
-
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (jax, jnp, np) if m.__file__
-) + (os.path.dirname(__file__) + os.sep,)
-
-
-def run_user_method(owner: str, ctx: FunctionCtx, fn: Callable, *args: Any) -> Any:
-    """``fn(*args)``, a user's method: named ``owner.<method>`` in profiles, ``ctx`` closed after.
-
-    The user's methods run while JAX traces, so their arrays have no values
-    yet: NumPy calls, ``.item()``/``float()``/``int()`` and a Python ``if``
-    on one fail there, with JAX's errors turned into vjpkit's, naming the
-    method (``method_of(ctx)``: forward, setup_context, backward or jvp).
-    """
-    try:
-        with profiled(owner, method_of(ctx)):
-            return fn(*args)
-    except (TracerArrayConversionError, TracerBoolConversionError, ConcretizationTypeError,
-            TracerIntegerConversionError) as e:
-        raise _traced_value_error(owner, method_of(ctx), e) from e
-    finally:
-        close(ctx)
-
-
-def _traced_value_error(owner: str, name: str, e: Exception) -> TypeError:
-    """vjpkit's error for JAX's ``e``: a traced array used as a concrete value in ``owner.name``."""
-    if isinstance(e, TracerArrayConversionError):
-        return TypeError(
-            f"{owner}.{name} converted a traced JAX array to NumPy. {name} runs while "
-            "JAX traces, so its arrays are tracers, not concrete values: write it with jax.numpy, or "
-            f"declare the Function host-side (@vjpkit.function(host=True)) to run NumPy code.{_user_line(e)}"
-        )
-    if isinstance(e, TracerBoolConversionError):
-        return TypeError(
-            f"{owner}.{name} used a traced array as a Python bool (an if, while, and/or, or assert on "
-            f"an array's value). {name} runs while JAX traces, so its arrays have no "
-            "values yet: select values with jnp.where(condition, x, y), branch with jax.lax.cond, "
-            f"loop with jax.lax.while_loop.{_user_line(e)}"
-        )
-    return TypeError(
-        f"{owner}.{name} converted a traced array to a Python number (.item(), float(), int() or "
-        f"an index). {name} runs while JAX traces, so its arrays have no values "
-        "yet: keep the value an array (jnp.clip(x, -alpha, alpha) takes array bounds; jnp "
-        f"functions and arithmetic take arrays), or select values with jnp.where.{_user_line(e)}"
-    )
-
-
-def _user_line(e: BaseException) -> str:
-    """Where in the user's code ``e`` was raised: the innermost frame outside JAX, NumPy and vjpkit."""
-    found = None
-    tb = e.__traceback__
-    while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-            found = tb
-        tb = tb.tb_next
-    if found is None:
-        return ""
-    filename, line = found.tb_frame.f_code.co_filename, found.tb_lineno
-    source = linecache.getline(filename, line).strip()
-    return f" At line {line} of {filename}" + (f": `{source}`" if source else ".")
-
-
-# ---------------------------------------------------------------------------
-# Reading the class (for Spec).
-
-
-def _cache_size(name: str, value: Any) -> int:
-    # At least one program: a cache that keeps none would drop the program it just made.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"{name}.cache_size must be a positive int (the number of compiled programs kept "
-            f"per class), got {value!r}."
-        )
-    return value
-
-
-def _closure_tracers(*methods: Any) -> frozenset:
-    """The ids of the JAX tracers that the methods' closures hold (directly, or as leaves of pytrees)."""
-    found: set[int] = set()
-    for method in methods:
-        for cell in getattr(method, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # not yet bound (the class itself, referred to by its own methods)
-                continue
-            found.update(id(leaf) for leaf in jax.tree_util.tree_leaves(value) if isinstance(leaf, jax.core.Tracer))
-    return frozenset(found)
-
-
-def _vmap_rule(cls: Any, spec: Spec) -> Callable | None:
-    """The class's ``vmap(info, in_dims, *args)`` staticmethod (PyTorch's batching rule), checked; None if absent.
-
-    A host Function runs its rule on the host (``_host.py``).
-    """
-    rule = getattr(cls, "vmap", None)
-    generated = bool(getattr(cls, "generate_vmap_rule", False))
-    if rule is None:
-        return None  # generate_vmap_rule = True or not: jax.vmap batches forward as written
-    if generated:
-        raise TypeError(
-            f"{spec.name} has both generate_vmap_rule = True and a vmap staticmethod: set "
-            "generate_vmap_rule = False to use the vmap staticmethod, or delete the vmap staticmethod "
-            "to batch forward as written (as PyTorch requires)."
-        )
-    if cls.host:
-        return None  # run on the host, by the host Function's own forward
-    if spec.setup_context is None:
-        raise TypeError(
-            f"{spec.name} defines a vmap staticmethod, which batches forward's outputs only, so forward "
-            f"must not take ctx: write {spec.name}.forward(*inputs) and fill ctx in "
-            f"{spec.name}.setup_context(ctx, inputs, output) (PyTorch's rule for a Function with a "
-            "vmap staticmethod), or delete the vmap staticmethod to batch forward as written."
-        )
-    return rule
-
-
-def _forward_batched_by_rule(spec: Spec, layout: Partition, arrays: tuple) -> Callable:
-    """``spec.forward`` of these arrays, which ``jax.vmap`` batches by the class's vmap staticmethod.
-
-    Why ``jax.custom_batching.custom_vmap`` around forward alone: setup_context,
-    backward and jvp still see the outputs as forward computes them, as in
-    PyTorch, where the rule replaces forward under vmap and nothing else.
-    """
-    out_layouts: list[Partition] = []  # forward's output structure, found when custom_vmap traces it
-    user_rule = spec.vmap
-    assert user_rule is not None  # only a class with a rule gets here
-
-    def forward(*arrays: Any) -> list:
-        out = spec.signature.call(spec.forward, (), layout.combine(arrays))
-        out_layout, leaves = partition(out, is_array)
-        out_layouts.append(out_layout)
-        return list(leaves)
-
-    batched = jax.custom_batching.custom_vmap(forward)
-
-    @batched.def_vmap
-    def rule(axis_size: int, in_batched: Sequence[bool], *arrays: Any) -> tuple[list, list]:
-        in_dims = tuple(layout.combine([0 if b else None for b in in_batched], keep_static=False))
-        info = _host.VmapInfo(axis_size)
-        with profiled(spec.name, "vmap"):
-            result = spec.signature.call(user_rule, (info, in_dims), layout.combine(arrays))
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise TypeError(
-                f"{spec.name}.vmap returned {type(result).__name__}: expected a pair (outputs, out_dims), "
-                "as torch.autograd.Function.vmap returns."
-            )
-        out, out_dims = result
-        out_layout, leaves = partition(out, is_array)
-        expected = out_layouts[-1]
-        if out_layout.treedef != expected.treedef or out_layout.dynamic != expected.dynamic:
-            raise TypeError(
-                f"{spec.name}.vmap returned outputs of structure {out_layout.treedef}, expected forward's "
-                f"structure {expected.treedef} (with arrays in the same places)."
-            )
-        dims = _output_dims(spec.name, out, out_dims, out_layout)
-        moved = [leaf if d is None else jnp.moveaxis(leaf, d, 0) for leaf, d in zip(leaves, dims, strict=True)]
-        return moved, [d is not None for d in dims]
-
-    def forward_by_rule(*values: Any, **keyword_values: Any) -> Any:
-        leaves = batched(*arrays)
-        return out_layouts[-1].combine(leaves)
-
-    return forward_by_rule
-
-
-def _output_dims(name: str, out: Any, out_dims: Any, out_layout: Partition) -> list:
-    """The batch axis (or None) of each array output, from the vmap rule's ``out_dims``."""
-    if out_dims is None or isinstance(out_dims, int):
-        return [out_dims] * len(out_layout.dynamic)
-    incompatible = TypeError(
-        f"{name}.vmap returned out_dims {out_dims!r}, incompatible with its outputs: expected an int or None, "
-        f"or one per output in the outputs' structure {jax.tree_util.tree_structure(out)}."
-    )
-    try:
-        per_leaf = jax.tree_util.tree_structure(out).flatten_up_to(out_dims)  # type: ignore[attr-defined]
-    except (ValueError, TypeError):
-        raise incompatible from None
-    dims = [per_leaf[k] for k in out_layout.dynamic]
-    if not all(d is None or isinstance(d, int) for d in dims):
-        raise incompatible
-    return dims
-
-
-def _defined(cls: type, base: type, method: str) -> Callable | None:
-    fn = getattr(cls, method)
-    return None if fn is getattr(base, method) else fn
-
-
-# ---------------------------------------------------------------------------
-# Residuals: arrays as pytree children, everything else as static data.
-
-
-class ResidualMeta(NamedTuple):
-    """Static data carried from forward to backward inside the residual treedef."""
-
-    layout: Partition  # where saved arrays and ctx attributes go
-    needs: tuple
-    differentiable: tuple  # per array output: whether it carries a gradient
-    out_avals: tuple
-    materialize: bool
-    in_kinds: tuple
-
-
-class Residuals:
-    __slots__ = ("arrays", "meta")
-
-    def __init__(self, arrays: tuple, meta: ResidualMeta):
-        self.arrays = arrays
-        self.meta = meta
-
-
-jax.tree_util.register_dataclass(Residuals, data_fields=["arrays"], meta_fields=["meta"])
-
-
-def _kind(x: Any) -> tuple:
-    return (tuple(x.shape), x.dtype)
-
-
-def as_arrays(xs: Sequence[Any]) -> tuple:
-    """``xs`` as JAX arrays: the scalars JAX passes when it runs eagerly become arrays.
-
-    Why: differentiating with respect to a Python float eagerly (``jit=False``,
-    ``jax.disable_jit()``) hands the rules JAX's weakly typed scalar wrapper
-    (a ``float`` subclass with a dtype), where under ``jit`` they see a tracer.
-    """
-    return tuple(x if isinstance(x, jax.Array) else jnp.asarray(x) for x in xs)
-
-
-# Layouts of what forward left when that is only saved arrays (and None):
-# keyed by where the Nones are, built once each.
-_SAVED_ONLY_LAYOUTS: dict[tuple, Partition] = {}
-_SAVED_ONLY_NONES: dict[Partition, tuple] = {}  # the reverse
-
-
-def _split_carried(carried: Carried) -> tuple[Partition, tuple]:
-    """``split_residuals(carried)``, without flattening it in the common case (saved arrays only)."""
-    if carried.attributes or carried.host is not None or carried.saved_forward:
-        return split_residuals(carried)
-    nones = tuple(x is None for x in carried.saved)
-    layout = _SAVED_ONLY_LAYOUTS.get(nones)
-    if layout is None:
-        layout = _SAVED_ONLY_LAYOUTS[nones] = split_residuals(carried)[0]
-        _SAVED_ONLY_NONES[layout] = nones
-    return layout, tuple(as_jax_leaf(x) for x in carried.saved if x is not None)
-
-
-def _combine_carried(layout: Partition, arrays: Sequence[Any]) -> Carried:
-    """``layout.combine(arrays)``: what forward left, rebuilt from its arrays (directly for saved arrays only)."""
-    nones = _SAVED_ONLY_NONES.get(layout)
-    if nones is None:
-        return layout.combine(arrays)
-    it = iter(arrays)
-    return Carried(tuple(None if none else next(it) for none in nones), (), {}, None)
-
-
-class Program:
-    """The user's methods for one static part of a call (``layout``), and their checks."""
-
-    def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
-        self.spec = spec
-        self.layout = layout.snapshot()  # unhashable static arguments copied: they are keyed by contents
-        self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
-        self.names = spec.signature.names(n_values)
-        self.param_treedefs = tuple(layout.treedef.children())
-        owners = layout.owners()
-        self.param_of_dynamic = tuple(owners[k][0] for k in layout.dynamic)
-        self.n_params = n_values
-        # Every argument an array: the arguments are the arrays themselves, no rebuilding.
-        self.all_arrays = not layout.static and all(len(owner) == 2 and owner[1] == 0 for owner in owners) and all(
-            child.num_leaves == 1 and not child.children() for child in self.param_treedefs
-        )
-
-    def needs_input_grad(self, perturbed: Any, arrays: Any) -> tuple[bool, ...]:
-        """One flag per parameter: whether JAX differentiates any of its float leaves."""
-        needs = [False] * self.n_params
-        for param, p, x in zip(self.param_of_dynamic, perturbed, arrays, strict=True):
-            if p and is_differentiable_dtype(x.dtype):
-                needs[param] = True
-        return tuple(needs)
-
-    def input_kinds(self, arrays: Any) -> tuple:
-        """Per leaf of the bound arguments: None (static) or the array's type."""
-        kinds = []
-        for x in arrays:
-            aval = _jax_internals.typeof(x)  # read once for all four
-            kinds.append((
-                tuple(aval.shape), aval.dtype, _jax_internals.varying_axes_of_type(aval),
-                _sharding.explicit_sharding_of_type(aval),
-            ))
-        return tuple(self.layout.leaves(kinds, keep_static=False))
-
-    # -- forward -----------------------------------------------------------
-
-    def primal(self, *arrays: Any) -> Packed:
-        """forward's outputs when nothing is differentiated."""
-        packed, _, _ = self._forward(as_arrays(arrays), (False,) * self.n_params)
-        return packed
-
-    def run_forward(self, arrays: tuple, needs: tuple, forward_mode: bool = False) -> tuple[Packed, Residuals]:
-        """forward's outputs, and what backward (and, in ``forward_mode``, jvp) needs of it (``arrays``: JAX arrays)."""
-        packed, out, ctx = self._forward(arrays, needs)
-        left = forwarded(ctx, forward_mode)
-        self._check_static_attributes(left.carried.attributes, method_of(ctx))
-        layout, res_arrays = _split_carried(left.carried)
-        meta = ResidualMeta(
-            layout, needs, differentiable_outputs(out, left.non_differentiable),
-            tuple(_kind(a) for a in packed.arrays), left.materialize, self.input_kinds(arrays),
-        )
-        return packed, Residuals(res_arrays, meta)
-
-    def _check_static_attributes(self, attributes: dict, method: str) -> None:
-        """ctx attributes that travel as static data must hold no array of the trace."""
-        for name, value in attributes.items():
-            layout, _ = partition(value, is_array)
-            for position, leaf in layout.static:
-                found = find_tracer(leaf)
-                if found is None:
-                    continue
-                inner, tracer = found
-                if id(tracer) in self.spec.closure_tracers:
-                    continue  # a tracer of the enclosing transformation, which the methods close over too
-                leaf_path = _leaf_path(value, position)
-                owner = type(leaf).__name__
-                raise TypeError(
-                    f"{self.spec.name}.{method}: ctx.{name}{leaf_path} is a {owner} holding an array of "
-                    f"shape {tuple(tracer.shape)} and dtype {tracer.dtype} (at ctx.{name}{leaf_path}{inner}). "
-                    f"A ctx attribute that is not an array or a pytree of arrays travels to backward as "
-                    "static data, fixed when JAX traces, so the arrays inside it do not. Store the array "
-                    f"itself on ctx (ctx.{name}_array = ...) or save it with ctx.save_for_backward, and "
-                    f"rebuild the {owner} in backward."
-                )
-
-    def _forward(self, arrays: tuple, needs: tuple) -> tuple[Packed, Any, FunctionCtx]:
-        spec = self.spec
-        values = tuple(arrays) if self.all_arrays else self.layout.combine(arrays)
-        ctx = FunctionCtx(spec.name, needs, values)
-        forward = spec.forward if spec.vmap is None else _forward_batched_by_rule(spec, self.layout, arrays)
-        try:
-            out = run_user_method(
-                spec.name, ctx, call_forward, ctx, spec.signature, forward, spec.setup_context, values
-            )
-        except _sharding.sharding_type_errors() as e:
-            raise _sharding.forward_sharding_error(spec.name, method_of(ctx), e) from None
-        dirty = dirty_of(ctx)
-        if dirty and not {id(x) for x in dirty}.isdisjoint(map(id, jax.tree_util.tree_leaves(out))):
-            raise ValueError(
-                f"{spec.name}.forward marked an input dirty (ctx.mark_dirty) and "
-                "returned that same input object unchanged. JAX arrays are "
-                "immutable: compute the new value (e.g. x = x.at[i].set(v)) and "
-                "return it."
-            )
-        packed = pack_outputs(spec.name, out)
-        if self.anomaly:
-            self.check_outputs(packed)
-        return packed, out, ctx
-
-    # -- backward ----------------------------------------------------------
-
-    def run_backward(self, residuals: Residuals, out_layout: Partition, cotangents: Sequence[Any]) -> list:
-        """backward's checked gradients: one cotangent (or None) per array input leaf.
-
-        ``cotangents`` has one entry per array output, a ``SymbolicZero``
-        where JAX passes none; backward receives zeros there, or None when
-        forward turned materialization off (PyTorch's rule). Under Explicit
-        mesh axes backward runs with them Auto, each gradient typed as its input.
-        """
-        return _sharding.call_with_auto_axes(
-            self._run_backward,
-            (residuals, out_layout, cotangents),
-            _sharding.gradient_shardings(residuals.meta.in_kinds),
-        )
-
-    def _run_backward(self, residuals: Residuals, out_layout: Partition, cotangents: Sequence[Any]) -> list:
-        meta = residuals.meta
-        if not any(meta.differentiable):
-            # No output carries a gradient, so none flows back: PyTorch never calls
-            # backward then (and real backward methods raise in that case).
-            return [None] * len(self.layout.dynamic)
-        grads = output_cotangents(out_layout, cotangents, meta.out_avals, meta.differentiable, meta.materialize)
-        if not self.spec.once_differentiable:
-            return self._backward(meta, residuals.arrays, grads)
-        grad_leaves, grad_treedef = jax.tree_util.tree_flatten(grads)
-        n_res = len(residuals.arrays)
-
-        def backward_of_arrays(*xs: Any) -> list:
-            return self._backward(meta, xs[:n_res], jax.tree_util.tree_unflatten(grad_treedef, xs[n_res:]))
-
-        return call_without_derivative(backward_of_arrays, (*residuals.arrays, *grad_leaves), self.once_message())
-
-    def _backward(self, meta: ResidualMeta, res_arrays: Sequence[Any], grads: tuple) -> list:
-        spec = self.spec
-        assert spec.backward is not None  # run_backward is reached only when backward exists
-        ctx = rule_ctx(spec.name, "backward", meta.needs, _combine_carried(meta.layout, res_arrays), meta.materialize)
-        result = run_user_method(spec.name, ctx, spec.backward, ctx, *grads)
-        cotangents = check_backward_outputs(
-            spec.name, result, self.param_treedefs, self.names, meta.in_kinds, meta.needs
-        )
-        if self.anomaly:
-            self.check_gradients(cotangents)
-        return cotangents
-
-    def once_message(self) -> str:
-        return (
-            f"{self.spec.name}.backward is decorated with @once_differentiable, so it "
-            "cannot be differentiated (a second derivative such as jax.hessian or "
-            "grad of grad was asked for). Remove the decorator if backward is "
-            "written in differentiable JAX operations."
-        )
-
-    # -- vjpkit.detect_anomaly ----------------------------------------------
-
-    def check_outputs(self, packed: Packed) -> None:
-        labelled = [(f"output {j}", a) for j, a in enumerate(packed.arrays)]
-        _anomaly.check_finite(self.spec.name, "forward", labelled)
-
-    def check_gradients(self, grads: list, method: str = "backward") -> None:
-        """``grads``: one per array input leaf, as ``check_backward_outputs`` returns them."""
-        labels = _anomaly.input_labels(self.names, self.layout)
-        _anomaly.check_finite(self.spec.name, method, list(zip(labels, grads, strict=True)))
+_ANY_ARGUMENTS = inspect.signature(lambda *args: None)

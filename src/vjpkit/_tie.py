@@ -27,232 +27,41 @@ compiles to nothing.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 
-from . import _anomaly, _jax_internals, _sharding
-from ._ctx import _short_repr, is_array, rule_ctx
+from . import _jax_internals
+from ._args import as_arrays
 from ._jax_internals import Primitive, ad, batching, mlir
-from ._linear_call import linear_call
-from ._outputs import Packed, _fit_dtype, is_differentiable_dtype
-from ._program import Program, ResidualMeta, Residuals, as_arrays, no_forward_mode, run_user_method
-
-
-class OwnDerivative:
-    """A Function's own derivative at one forward run: output tangents from input tangents.
-
-    ``linear`` lists the input leaves whose tangents are the linear inputs;
-    the tangents computed are those of the differentiable outputs.
-    ``first_order``: the Function's own rule, not a tie's; evaluating it
-    is forward mode, which a class without ``jvp`` does not have.
-    """
-
-    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_avals: list, linear: list,
-                 first_order: bool = False):
-        self.program = program
-        self.spec = program.spec
-        self.name = program.spec.name
-        self.meta = meta
-        self.out_layout = out_layout
-        self.in_avals = in_avals
-        self.linear = linear
-        self.outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
-        self.first_order = first_order
-
-    def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any]) -> list:
-        """One tangent per differentiable output (of types ``out_types``), as a ``linear_call``.
-
-        Evaluating it runs ``jvp`` (or, without one, ``backward`` transposed
-        by JAX); transposing it runs ``backward`` (or, without one, ``jvp``
-        transposed by JAX).
-        """
-        spec = self.spec
-        if spec.closes_over_tracer and spec.jvp is not None:
-            # The methods close over a tracer of an enclosing transformation, which a primitive's rule cannot
-            # hold: jvp runs inline, where that tracer lives, and reverse mode transposes it (a custom_jvp's way).
-            return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
-
-        shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
-        gradient_shardings = [shardings[d] for d in self.linear]
-
-        def backward_rule(residuals: tuple, cotangents: tuple) -> list:
-            # Under Explicit mesh axes the zeros for absent gradients are typed as their inputs too.
-            return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), gradient_shardings)
-
-        backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
-        if spec.jvp is not None:
-            apply = self.apply_jvp
-        else:
-            apply = _NoForwardMode(self) if self.first_order else self.apply_transposed_backward
-        return linear_call(
-            tuple(residuals),
-            list(linear_tangents),
-            apply=apply,
-            transpose=backward_rule if spec.backward is not None else None,
-            out_avals=out_types,
-            name=self.name,
-        )
-
-    # -- the two rules of the linear_call ---------------------------------
-
-    def apply_jvp(self, residuals: tuple, linear: tuple) -> list:
-        """Output tangents (differentiable outputs) from input tangents: user's jvp."""
-        program, meta = self.program, self.meta
-        assert self.spec.jvp is not None  # chosen by tangents() only for a class with jvp
-        tangent_leaves: list = [None] * len(self.in_avals)
-        # Evaluated eagerly (jax.linearize of a jaxpr), a tangent may be JAX's weakly typed Python scalar.
-        for d, t in zip(self.linear, as_arrays(linear), strict=True):
-            tangent_leaves[d] = t
-        for d, t in enumerate(tangent_leaves):
-            if t is None and meta.materialize and is_differentiable_dtype(self.in_avals[d][1]):
-                tangent_leaves[d] = jnp.zeros(*self.in_avals[d])
-        ctx = rule_ctx(self.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
-        try:
-            result = run_user_method(
-                self.name, ctx, self.spec.jvp, ctx, *program.layout.combine(tangent_leaves, keep_static=False)
-            )
-        except _sharding.sharding_type_errors() as e:
-            raise _sharding.forward_sharding_error(self.name, "jvp", e) from None
-        tangents_out = self._check_jvp_outputs(result)
-        if program.anomaly:
-            labelled = [
-                (f"the tangent of output {j}", t) for j, t in zip(self.outputs, tangents_out, strict=True)
-            ]
-            _anomaly.check_finite(self.name, "jvp", labelled)
-        return tangents_out
-
-    def apply_backward(self, residuals: tuple, cotangents: tuple) -> list:
-        """Input cotangents (linear inputs) from output cotangents: user's backward."""
-        full: list = [SymbolicZero(None)] * len(self.meta.out_avals)  # type: ignore[arg-type]  # absent
-        for j, ct in zip(self.outputs, cotangents, strict=True):
-            if ct is not None:
-                full[j] = ct
-        per_leaf = self.program.run_backward(Residuals(tuple(residuals), self.meta), self.out_layout, full)
-        return [
-            jnp.zeros(*self.in_avals[d]) if per_leaf[d] is None else per_leaf[d]
-            for d in self.linear
-        ]
-
-    def apply_transposed_backward(self, residuals: tuple, linear: tuple) -> list:
-        """Output tangents from input tangents, for a class without jvp: backward, transposed by JAX."""
-        structs = [jax.ShapeDtypeStruct(*self.meta.out_avals[j]) for j in self.outputs]
-        try:
-            transposed = jax.linear_transpose(lambda *cts: self.apply_backward(residuals, cts), *structs)
-            return list(transposed(list(linear)))
-        except Exception as e:  # JAX raises several types for code it cannot transpose
-            raise TypeError(
-                f"{self.name} defines no jvp, so inside a higher-order derivative taken "
-                "in forward mode (jax.hessian, jax.jacfwd of jax.grad) the derivative of "
-                f"its outputs is {self.name}.backward transposed by JAX, which needs "
-                "backward to be linear in the gradients and written in transposable "
-                f"JAX operations; transposing it failed: {e}. Define "
-                f"{self.name}.jvp(ctx, *tangents), or take the derivative in reverse "
-                "mode twice (jax.jacrev of jax.jacrev)."
-            ) from e
-
-    def _check_jvp_outputs(self, result: Any) -> list:
-        layout, name = self.out_layout, self.name
-        spread = layout.is_tuple()  # a tuple output: one tangent per element
-        n_outputs = len(layout.treedef.children()) if spread else 1
-        if spread:
-            if not isinstance(result, tuple):
-                result = (result,)
-            if len(result) != n_outputs:
-                raise TypeError(
-                    f"{name}.jvp returned {len(result)} tangent{'s' if len(result) != 1 else ''}, "
-                    f"expected {n_outputs} (one per output of forward)."
-                )
-            structured = result
-        else:
-            # A single array matches any structure, so a tuple is never its tangent.
-            single = jax.tree_util.treedef_is_leaf(layout.treedef)
-            if isinstance(result, tuple) and (single or not _same_structure(layout.treedef, result)):
-                if len(result) != 1:
-                    raise TypeError(
-                        f"{name}.jvp returned {len(result)} tangents, expected 1 (one per "
-                        f"output of forward, which returns a single "
-                        f"{'array' if single else 'pytree'}, not a tuple). Return the "
-                        "tangent itself."
-                    )
-                result = result[0]
-            structured = result
-        try:
-            leaves = layout.treedef.flatten_up_to(structured)
-        except (ValueError, TypeError):
-            got = jax.tree_util.tree_structure(structured, is_leaf=lambda x: x is None)
-            raise TypeError(
-                f"{name}.jvp returned tangents with structure {got}, expected the "
-                f"output's structure {layout.treedef} (None is allowed for any part)."
-            ) from None
-        by_position = dict(zip(layout.dynamic, range(len(layout.dynamic)), strict=True))
-        tangents = []
-        for position, t in enumerate(leaves):
-            j = by_position.get(position)
-            if j is None or not self.meta.differentiable[j]:
-                continue
-            shape, dtype = self.meta.out_avals[j]
-            if t is None:
-                tangents.append(jnp.zeros(shape, dtype))
-                continue
-            if not is_array(t):
-                raise TypeError(
-                    f"{name}.jvp returned {_short_repr(t)} as the tangent of output {j}: "
-                    f"expected an array of shape {shape} and dtype {dtype}, or None."
-                )
-            if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"{name}.jvp returned a tangent of shape {tuple(t.shape)} for "
-                    f"output {j}: expected shape {shape}."
-                )
-            tangents.append(_fit_dtype(name, "jvp", f"output {j}", t, dtype, what="tangent"))
-        return tangents
-
-
-class _NoForwardMode:
-    """The first-order rule of a class without jvp: backward transposed, which forward mode may not run.
-
-    ``linear_call`` raises ``forward_mode_error()`` where the rule would run
-    for its value (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``; also after
-    ``jax.grad`` of a jitted program, whose rule trace JAX reuses); tracing
-    it for its effects, transposing it (reverse mode) and differentiating it
-    along the residuals (a higher order) run backward transposed.
-    """
-
-    def __init__(self, own: OwnDerivative):
-        self.own = own
-
-    def __call__(self, residuals: tuple, linear: tuple) -> list:
-        return self.own.apply_transposed_backward(residuals, linear)
-
-    def forward_mode_error(self) -> TypeError:
-        return no_forward_mode(self.own.spec)
-
-
-def _same_structure(treedef: Any, value: Any) -> bool:
-    try:
-        treedef.flatten_up_to(value)
-    except (ValueError, TypeError):
-        return False
-    return True
-
+from ._tree import is_differentiable_dtype
 
 # ---------------------------------------------------------------------------
 # The tie.
 
 
-def tie_outputs(program: Program, arrays: tuple, packed: Packed, residuals: Residuals) -> tuple[Packed, Residuals]:
-    """forward's outputs and residuals, each output (returned or saved) tied to the Function's own rules.
+class Owner(Protocol):
+    """What a tie asks of the program that tied its outputs (``_program.Program``): their derivative.
 
-    A non-differentiable output (integer, or ``ctx.mark_non_differentiable``)
-    has derivative zero at every order, as at first order and in PyTorch.
-    Host Functions are left alone: their second derivative raises anyway.
+    A protocol, so that the tie (below the program) never imports it.
     """
-    if program.spec.host:
-        return packed, residuals
-    meta = residuals.meta
+
+    spec: Any  # the Function's Spec: its name names the tie in jaxprs
+
+    def tie_tangents(self, tie: Any, inputs: list, residuals: list, moving: list, tangents: list,
+                     out_types: list) -> list: ...
+
+
+def tie_outputs(owner: Owner, meta: Any, out_layout: Any, arrays: tuple, outputs: tuple,
+                residuals: tuple) -> tuple[tuple, tuple]:
+    """forward's array ``outputs`` and ``residuals``, each output (returned or saved) tied to the Function's own rules.
+
+    ``meta`` (the forward run's ``ResidualMeta``) says which outputs are
+    differentiable. A non-differentiable output (integer, or
+    ``ctx.mark_non_differentiable``) has derivative zero at every order, as
+    at first order and in PyTorch.
+    """
     tied = tuple(j for j, diff in enumerate(meta.differentiable) if diff)
     # The tie's operands: inputs, residuals and tied outputs, each array once
     # (forward often saves its inputs, or the output it returns).
@@ -268,20 +77,20 @@ def tie_outputs(program: Program, arrays: tuple, packed: Packed, residuals: Resi
 
     inputs_at = tuple(map(operand, arrays))
     n_inputs = len(operands)
-    residuals_at = tuple(map(operand, residuals.arrays))
-    outputs_at = tuple(operand(packed.arrays[j]) for j in tied)
+    residuals_at = tuple(map(operand, residuals))
+    outputs_at = tuple(operand(outputs[j]) for j in tied)
     output_of: dict[int, int] = {}  # operand of an output array (not an input) -> its position among the outputs
-    for j, x in enumerate(packed.arrays):
+    for j, x in enumerate(outputs):
         at = operand_at.get(id(x), n_inputs)
         if at >= n_inputs:  # an input returned as is keeps its own derivative when saved
             output_of.setdefault(at, j)
     saved = tuple((k, output_of[at]) for k, at in enumerate(residuals_at) if at in output_of)
-    tie = _Tie(program, meta, packed.layout, tuple(x.dtype for x in arrays), tied, saved,
+    tie = _Tie(owner, meta, out_layout, tuple(x.dtype for x in arrays), tied, saved,
                inputs_at, residuals_at, outputs_at)
-    outputs, res = tie(operands)
-    by_position = dict(zip(tied, outputs, strict=True))
-    all_outputs = tuple(by_position[j] if j in by_position else _constant(y) for j, y in enumerate(packed.arrays))
-    return Packed(all_outputs, packed.layout), Residuals(tuple(res), meta)
+    tied_outputs, res = tie(operands)
+    by_position = dict(zip(tied, tied_outputs, strict=True))
+    all_outputs = tuple(by_position[j] if j in by_position else _constant(y) for j, y in enumerate(outputs))
+    return all_outputs, tuple(res)
 
 
 class _Tie:
@@ -300,7 +109,7 @@ class _Tie:
     __slots__ = ("program", "meta", "out_layout", "in_dtypes", "tied", "saved", "inputs_at", "residuals_at",
                  "outputs_at", "_key", "_hash", "__weakref__")
 
-    def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_dtypes: tuple,
+    def __init__(self, program: Owner, meta: Any, out_layout: Any, in_dtypes: tuple,
                  tied: tuple, saved: tuple, inputs_at: tuple, residuals_at: tuple, outputs_at: tuple):
         self.program = program
         self.meta = meta
@@ -347,23 +156,12 @@ class _Tie:
         if not moving:
             outputs = [primals[at] for at in self.outputs_at]
             return outputs, [ad.Zero(_jax_internals.tangent_aval(y)) for y in outputs]
-        program, meta = self.program, self.meta
-        perturbed = [d in moving for d in range(len(inputs))]
-        needs = tuple(a or b for a, b in zip(meta.needs, program.needs_input_grad(perturbed, inputs), strict=True))
         # Tied again for the derivative after this one (this rule runs as
         # plain code under it): the outputs returned and the saved ones.
         outputs, res = self(primals)
-        if needs != meta.needs:
-            # The outer derivative moves an input that forward was told needs
-            # no gradient (a gradient penalty's parameters): run forward again
-            # as PyTorch would have, knowing every input that needs one.
-            packed, again = program.run_forward(as_arrays(inputs), needs)
-            _, again = tie_outputs(program, tuple(inputs), packed, again)
-            meta, res = again.meta, list(again.arrays)
-        in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
-        own = OwnDerivative(program, meta, self.out_layout, in_avals, moving)
         out_types = [_jax_internals.tangent_aval(y) for y in outputs]
-        return outputs, own.tangents(res, [tangents[self.inputs_at[d]] for d in moving], out_types)
+        moving_tangents = [tangents[self.inputs_at[d]] for d in moving]
+        return outputs, self.program.tie_tangents(self, inputs, res, moving, moving_tangents, out_types)
 
     def __repr__(self) -> str:
         return self.program.spec.name
@@ -414,7 +212,6 @@ class _BatchedTie:
 # nested jaxpr per call and lower it as a function of its own.
 _tie_p = Primitive("vjpkit_tie")
 _tie_p.multiple_results = True
-TIE_PRIMITIVE = _tie_p  # gradcheck's host evaluator evaluates it as what it is, a selection of its operands
 
 
 def _tie_impl(*args: Any, tie: Any) -> list:

@@ -20,9 +20,21 @@ import types
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)  # what vjpkit traces: JAX or NumPy arrays, tracers
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is traced by vjpkit (a JAX or NumPy array, or a tracer)."""
+    return isinstance(x, ARRAY_TYPES)
+
+
+@functools.lru_cache(maxsize=None)  # few distinct dtypes; asked per array while tracing
+def is_differentiable_dtype(dtype: Any) -> bool:
+    """Whether arrays of ``dtype`` carry gradients (floating and complex ones do)."""
+    return jnp.issubdtype(dtype, jnp.inexact)
 
 
 class _ById:

@@ -34,16 +34,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from allgather_port import AXIS, AllGather, OwnSlot, make_mesh, shard_map  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import vjpkit  # noqa: E402
 
 # jax.enable_x64 or its older home; a script run in a subprocess has no pytest fixture.
 from vjpkit._jax_internals import enable_x64  # noqa: E402
-from vjpkit.testing import assert_matches_torch  # noqa: E402
+from vjpkit.testing import assert_matches_torch, assert_port_matches_original  # noqa: E402
 
 R = 4  # ranks in the group
-AXIS = "dp"
 
 
 # --- PyTorch, ranks simulated as the leading axis -----------------------------
@@ -84,49 +82,7 @@ class TorchAllGather(torch.autograd.Function):
         return (None, gx)
 
 
-# --- vjpkit, one rank's view inside shard_map ----------------------------------
-
-
-class AllGather(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, group, tensor):
-        ctx.group = group  # the backend's path: "nccl" reduce-scatters, others all-to-all and sum
-        return tuple(jax.lax.all_gather(tensor, AXIS))
-
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        stacked = jnp.stack(grad_outputs)  # (R, ...): this rank's gradient for each rank's slot
-        if ctx.group == "nccl":
-            gx = jax.lax.psum_scatter(stacked, AXIS, scatter_dimension=0)
-        else:
-            gx = jax.lax.all_to_all(stacked, AXIS, 0, 0).sum(0)
-        return (None, gx)
-
-
-class OwnSlot(vjpkit.Function):
-    """``grads[dist.get_rank()]``: the gradient of this rank's own slot, with a traced rank."""
-
-    @staticmethod
-    def forward(ctx, tensor):
-        return tuple(jax.lax.all_gather(tensor, AXIS))
-
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        return jnp.stack(grad_outputs)[jax.lax.axis_index(AXIS)]  # a tuple cannot take a traced index
-
-
-if hasattr(jax, "shard_map"):
-    def shard_map(f, **kwargs):  # PyTorch's convention: no varying-type check
-        return jax.shard_map(f, check_vma=False, **kwargs)
-else:  # JAX before 0.6: the experimental shard_map, its replication check off
-    from jax.experimental.shard_map import shard_map as _experimental_shard_map
-
-    def shard_map(f, **kwargs):
-        return _experimental_shard_map(f, check_rep=False, **kwargs)
-
-
-AXIS_TYPE = getattr(jax.sharding, "AxisType", None)  # JAX before 0.5: every mesh axis is Auto
-MESH = jax.make_mesh((R,), (AXIS,), **({"axis_types": (AXIS_TYPE.Auto,)} if AXIS_TYPE else {}))
+MESH = make_mesh(R)
 X = np.random.default_rng(31).standard_normal((R, 3))  # rank, features
 
 
@@ -154,6 +110,12 @@ def jit_grad_matches_torch(group):
         loss = lambda x: sum((k + 1.0) * jnp.sin(o).sum() for k, o in enumerate(on_ranks(group)(x)))  # noqa: E731
         got = jax.jit(jax.grad(loss))(jnp.asarray(X))
     np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-12)
+
+
+def from_torch_matches_port(group):
+    # The original (ranks simulated) through vjpkit.from_torch, beside the port on R devices, in one program.
+    assert_port_matches_original(lambda group, x: on_ranks(group)(x), TorchAllGather, group, X, second_order=True,
+                                 atol=1e-12)
 
 
 def vmap_inside_shard_map_matches_loop(group):
@@ -208,7 +170,7 @@ def main():
     except Exception:  # noqa: BLE001 - reported to the test
         results["own_slot_gradient_is_the_ranks_own_cotangent"] = traceback.format_exc()
     for group in ("nccl", "gloo"):
-        for check in (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch,
+        for check in (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch, from_torch_matches_port,
                       vmap_inside_shard_map_matches_loop, per_rank_outputs_need_no_opt_out_of_the_varying_check):
             try:
                 check(group)

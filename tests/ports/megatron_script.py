@@ -33,15 +33,21 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import vjpkit  # noqa: E402
+from megatron_port import (  # noqa: E402
+    AXIS,
+    CopyToModelParallelRegion,
+    GatherFromModelParallelRegion,
+    ReduceFromModelParallelRegion,
+    ScatterToModelParallelRegion,
+    make_mesh,
+    shard_map,
+)
 
 # jax.enable_x64 or its older home; a script run in a subprocess has no pytest fixture.
 from vjpkit._jax_internals import enable_x64  # noqa: E402
-from vjpkit.testing import assert_matches_torch  # noqa: E402
+from vjpkit.testing import assert_matches_torch, assert_port_matches_original  # noqa: E402
 
 R = 4  # ranks in the tensor-parallel group
-AXIS = "tp"
 
 
 # --- PyTorch, ranks simulated as the leading axis -----------------------------
@@ -104,70 +110,7 @@ class TorchGatherFromModelParallelRegion(torch.autograd.Function):
         return _split_along_last_dim(grad_output)
 
 
-# --- vjpkit, one rank's view inside shard_map ----------------------------------
-
-
-def split_along_last_dim(x):
-    size = x.shape[-1] // jax.lax.psum(1, AXIS)
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(AXIS) * size, size, axis=-1)
-
-
-def gather_along_last_dim(x):
-    return jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)
-
-
-class CopyToModelParallelRegion(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return input_
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return jax.lax.psum(grad_output, AXIS)
-
-
-class ReduceFromModelParallelRegion(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return jax.lax.psum(input_, AXIS)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output
-
-
-class ScatterToModelParallelRegion(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return split_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return gather_along_last_dim(grad_output)
-
-
-class GatherFromModelParallelRegion(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return gather_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return split_along_last_dim(grad_output)
-
-
-if hasattr(jax, "shard_map"):
-    def shard_map(f, **kwargs):  # Megatron's convention: no varying-type check
-        return jax.shard_map(f, check_vma=False, **kwargs)
-else:  # JAX before 0.6: the experimental shard_map, its replication check off
-    from jax.experimental.shard_map import shard_map as _experimental_shard_map
-
-    def shard_map(f, **kwargs):
-        return _experimental_shard_map(f, check_rep=False, **kwargs)
-
-
-AXIS_TYPE = getattr(jax.sharding, "AxisType", None)  # JAX before 0.5: every mesh axis is Auto
-MESH = jax.make_mesh((R,), (AXIS,), **({"axis_types": (AXIS_TYPE.Auto,)} if AXIS_TYPE else {}))
+MESH = make_mesh(R)
 
 
 def on_ranks(port):
@@ -210,6 +153,11 @@ def jit_grad_matches_torch(torch_fn, port):
     np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-12)
 
 
+def from_torch_matches_port(torch_fn, port):
+    # The original (ranks simulated) through vjpkit.from_torch, beside the port on R devices, in one program.
+    assert_port_matches_original(on_ranks(port), torch_fn, X, second_order=True, atol=1e-12)
+
+
 def vmap_inside_shard_map_matches_loop(torch_fn, port):
     # A batch of independent sequences on every rank: vmap over axis 1 of each rank's block.
     def batched(x):
@@ -226,7 +174,7 @@ def vmap_inside_shard_map_matches_loop(torch_fn, port):
 def main():
     results = {}
     for name, (torch_fn, port) in PAIRS.items():
-        for check in (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch,
+        for check in (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch, from_torch_matches_port,
                       vmap_inside_shard_map_matches_loop):
             try:
                 check(torch_fn, port)

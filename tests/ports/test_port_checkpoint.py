@@ -17,7 +17,9 @@ argument that the recompute sees again. (In JAX itself this Function is
 
 PyTorch's ``CheckpointFunction`` refuses ``torch.autograd.grad`` (it needs
 ``.backward()``), so the PyTorch reference here calls ``.backward()`` and
-reads ``.grad``.
+reads ``.grad``, and ``vjpkit.from_torch`` runs it with ``reentrant=True``
+(its second derivative is zero in PyTorch: the recompute runs without
+``create_graph``).
 """
 
 import jax
@@ -65,8 +67,23 @@ class CheckpointFunction(vjpkit.Function):
         return (None, None) + pullback(grads if isinstance(outputs, tuple) else grads[0])
 
 
-# PyTorch's CheckpointFunction raises under torch.autograd.grad (it needs .backward()).
-FROM_TORCH_CASES: list = []
+def torch_checkpointed_block(x, w1, w2):
+    """The original on (x, parameters): PyTorch's CheckpointFunction around a TorchBlock holding w1 and w2,
+    so that the gradients its reentrant backward accumulates in the parameters' ``.grad`` are theirs."""
+    module = TorchBlock()
+    del module.w1, module.w2  # plain tensors in the Parameters' place, as torch.func's functional_call does
+    module.w1, module.w2 = w1, w2
+    return TorchCheckpointFunction.apply(module, True, x)
+
+
+def checkpointed_block(x, w1, w2):
+    return CheckpointFunction.apply(block, True, {"w1": w1, "w2": w2}, x)
+
+
+# reentrant=True: PyTorch's CheckpointFunction refuses torch.autograd.grad (it needs .backward()).
+FROM_TORCH_CASES = [dict(original=vjpkit.from_torch(torch_checkpointed_block, reentrant=True), port=checkpointed_block,
+                         args=(X, PARAMS["w1"], PARAMS["w2"]), in_axes=(0, None, None),
+                         vmap_args=(X[:, None, :], PARAMS["w1"], PARAMS["w2"]))]
 
 
 def torch_checkpoint_grads(module, x):

@@ -127,7 +127,22 @@ def unrolled(W, x):
     return jax.lax.fori_loop(0, 100, lambda _, z: tanh_layer(W, x, z), jnp.zeros_like(x))
 
 
-FROM_TORCH_CASES: list = []  # the original is an nn.Module with a backward hook, not a Function
+def torch_deq(W, x):
+    """The tutorial's layer, its backward hook and all, as a function of (weight, x): the nn.Linear holds W.
+
+    The layer registers its hook on an output that must require gradients, as it does in PyTorch, where
+    the weight is a Parameter and gradients are on: so W requires them here too, and they are on.
+    """
+    f = TorchTanhLayer()
+    del f.linear.weight  # a plain tensor in the Parameter's place, as torch.func's functional_call does
+    f.linear.weight = W if W.requires_grad else W.detach().requires_grad_()
+    with torch.enable_grad():
+        return TorchDEQFixedPoint(f, forward_iteration, tol=TOL, max_iter=MAX_ITER)(x)
+
+
+# An nn.Module with a backward hook, not a Function: from_torch takes any callable of tensors.
+FROM_TORCH_CASES = [dict(original=torch_deq, port=deq, args=(W, X), atol=1e-9, in_axes=(None, 0),
+                         vmap_args=(W, X[:, None, :]))]
 
 
 def test_deq_matches_the_tutorials_layer_with_the_weight_gradient(x64):

@@ -11,7 +11,8 @@ backward (``ctx.noise``), tensors stashed as ctx attributes instead of
 The port follows the cookbook's recipe: the noise comes from a key argument
 (``jax.random.normal(key, ...)``), and backward redraws the same noise from
 the same key instead of keeping it. To compare with PyTorch, the tests hand
-the original the port's noise through ``torch.normal``.
+the original the port's noise through ``torch.normal`` (``vjpkit.from_torch``
+runs the original inside a ``TorchFunctionMode`` that does so).
 """
 
 import jax
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import vjpkit
 
@@ -99,18 +101,43 @@ class PerturbedTopKFunction(vjpkit.Function):
         return jnp.einsum("...kd,...kd->...d", grad_output, expected_gradient), None, None, None, None
 
 
-FROM_TORCH_CASES: list = []  # the original draws its own noise; the port takes a key: no common arguments
-
 KEY = jax.random.key(0)
+with enable_x64(True):  # the noise the port draws from KEY for X
+    NOISE = np.asarray(jax.random.normal(KEY, (*X.shape[:-1], NUM_SAMPLES, X.shape[-1]), jnp.float64))
+
+
+class PortsNoise(TorchFunctionMode):
+    """Inside it, torch.normal returns the port's noise (in float32, as torch.normal draws it: the
+    original's einsum mixes it with a float32 one-hot); every other torch call runs as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.normal:
+            return torch.tensor(NOISE, dtype=torch.float32)
+        return func(*args, **(kwargs or {}))
+
+
+def torch_perturbed_topk_with_the_ports_noise(x):
+    """The original, its forward and backward as published, drawing the port's noise from torch.normal.
+
+    From torch's global generator it would draw new noise on every run, and from_torch runs forward
+    again to differentiate: the gradient would belong to other noise than the output.
+    """
+    with PortsNoise():
+        return TorchPerturbedTopKFunction.apply(x, K, NUM_SAMPLES, SIGMA)
+
+
+def perturbed_topk(x):
+    return PerturbedTopKFunction.apply(x, KEY, K, NUM_SAMPLES, SIGMA)
+
+
+FROM_TORCH_CASES = [dict(original=torch_perturbed_topk_with_the_ports_noise, port=perturbed_topk, args=(X,),
+                         atol=1e-5)]
 
 
 @pytest.fixture
 def same_noise(monkeypatch):
-    """Makes the original's torch.normal return the noise the port draws from KEY (in float32, as
-    torch.normal draws it: the original's einsum mixes it with a float32 one-hot)."""
-    with enable_x64(True):
-        noise = np.asarray(jax.random.normal(KEY, (*X.shape[:-1], NUM_SAMPLES, X.shape[-1]), jnp.float64))
-    monkeypatch.setattr(torch, "normal", lambda mean, std, size: torch.tensor(noise, dtype=torch.float32))
+    """Makes the original's torch.normal return the noise the port draws from KEY."""
+    monkeypatch.setattr(torch, "normal", lambda mean, std, size: torch.tensor(NOISE, dtype=torch.float32))
 
 
 def test_perturbed_topk_matches_pytorch_given_the_same_noise(same_noise):

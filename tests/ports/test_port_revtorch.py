@@ -185,7 +185,32 @@ class ReversibleModuleFunction(vjpkit.Function):
 
 BLOCKS = ((dense_tanh, dense_tanh),) * len(LAYERS)
 
-FROM_TORCH_CASES: list = []  # the original takes an nn.ModuleList and returns parameter gradients by side effect
+WEIGHTS = np.stack([[layer[name]["w"] for name in "fg"] for layer in LAYERS])  # (block, f or g, C, C)
+BIASES = np.stack([[layer[name]["b"] for name in "fg"] for layer in LAYERS])  # (block, f or g, C)
+
+
+def torch_reversible_sequence(x, weights, biases):
+    """The original on (x, parameters): each nn.Linear holds slices of the arguments, so the gradients
+    RevTorch's backward delivers into the layers' ``.grad`` reach the arguments' ``.grad``."""
+    def linear_tanh(w, b):
+        layer = nn.Linear(C, C)
+        del layer.weight, layer.bias  # plain tensors in the Parameters' place, as torch.func's functional_call does
+        layer.weight, layer.bias = w, b
+        return nn.Sequential(layer, nn.Tanh())
+
+    blocks = nn.ModuleList([TorchReversibleBlock(linear_tanh(w[0], b[0]), linear_tanh(w[1], b[1]))
+                            for w, b in zip(weights, biases, strict=True)])
+    return TorchReversibleModuleFunction.apply(x, blocks)
+
+
+def reversible_sequence(x, weights, biases):
+    params = [{"f": {"w": w[0], "b": b[0]}, "g": {"w": w[1], "b": b[1]}} for w, b in zip(weights, biases, strict=True)]
+    return ReversibleModuleFunction.apply(x, BLOCKS, params)
+
+
+# The original's backward returns no parameter gradient: from_torch reads what it put into the arguments' .grad.
+FROM_TORCH_CASES = [dict(original=torch_reversible_sequence, port=reversible_sequence, args=(X, WEIGHTS, BIASES),
+                         in_axes=(0, None, None), vmap_args=(X[:, None, :], WEIGHTS, BIASES))]
 
 
 def torch_sequence():

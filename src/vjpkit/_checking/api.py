@@ -7,6 +7,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _jax_internals
+from .._function import reject_torch_function
 from .options import DEFAULT_NAMING, Options, Tolerances, as_args, validate
 from .ports import split_inputs
 from .report import (
@@ -89,6 +90,7 @@ def gradcheck(
         GradcheckError: a check failed (with ``raise_exception=True``).
         ValueError: contradictory options, or no floating-point input.
     """
+    reject_torch_function(fn, "vjpkit.gradcheck")
     options = Options(
         fast_mode=bool(fast_mode),
         check_undefined_grad=bool(check_undefined_grad),

@@ -26,6 +26,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from .._function import reject_torch_function
 from .api import gradcheck
 from .gradgrad import gradgradcheck
 from .random_inputs import random_inputs
@@ -124,6 +125,10 @@ def _resolve(target: str) -> Callable:
         if not hasattr(obj, part):
             raise _UsageError(f"module {module_name!r} has no attribute {name!r}")
         obj = getattr(obj, part)
+    try:
+        reject_torch_function(obj, f"vjpkit check {target}")
+    except TypeError as e:
+        raise _UsageError(str(e)) from None
     apply = getattr(obj, "apply", None)
     if isinstance(obj, type) and callable(apply):
         return apply

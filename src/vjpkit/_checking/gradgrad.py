@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax_internals
-from .._ctx import is_array
+from .._function import reject_torch_function
+from .._tree import is_array
 from .api import run_check
 from .jacobian import Notes, on_real_views
 from .options import Naming, Options, Tolerances, as_args
@@ -60,6 +61,7 @@ def gradgradcheck(
         True when the check passes; False on failure when
         ``raise_exception=False``.
     """
+    reject_torch_function(fn, "vjpkit.gradgradcheck")
     options = Options(
         fast_mode=bool(fast_mode),
         check_undefined_grad=bool(check_undefined_grad),

@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import _jax_internals
 from .._from_torch import from_torch
+from .._function import reject_torch_function
 
 __all__ = ["assert_port_matches_original", "port_differences"]
 
@@ -48,6 +49,7 @@ def port_differences(port: Any, original: Any, *args: Any, argnums: Sequence[int
         ``sum(sin(leaf))`` over every floating output leaf, so that no
         output's gradient is constant.
     """
+    reject_torch_function(port, "vjpkit.testing.port_differences (its port)")
     port_call = _callable(port)
     original_call = _callable(original if _is_wrapped(original) else from_torch(original))
     arrays_at = [k for k, a in enumerate(args) if _is_array(a)]

@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._ctx import is_array
-from .._tree import Partition, partition
+from .._tree import Partition, is_array, partition
 
 
 def _as_outputs(out: Any) -> tuple:

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax_internals
+from .._function import reject_torch_function
 from .report import format_element
 
 # Central differences of the first derivative, when the second orders disagree.
@@ -115,6 +116,7 @@ def assert_matches_torch(
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     names = _input_names(torch_fn, len(inputs))
     diff = _differentiated(inputs, differentiate, names)
+    reject_torch_function(jax_fn, "vjpkit.testing.assert_matches_torch (its port, jax_fn)")
     call_torch = getattr(torch_fn, "apply", torch_fn)
     call_jax = getattr(jax_fn, "apply", jax_fn)
     rng = np.random.default_rng(seed)

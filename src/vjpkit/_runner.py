@@ -1,0 +1,552 @@
+"""The user's methods: read off the class once (``Spec``), and run on one static part of a call (``Runner``).
+
+They run while JAX traces, each with a ctx (``_ctx.py``), each named in
+profiles and with JAX's errors about traced values turned into vjpkit's
+(``run_user_method``). The program (``_program.py``) asks the runner for:
+
+- ``run_forward``: arguments rebuilt from their array leaves, a ctx, the
+  user's forward (and setup_context), outputs packed and checked, and what
+  forward left on ctx split into residual arrays and static data;
+- ``run_backward``: output cotangents as backward expects them, a ctx
+  rebuilt from the residuals, the user's backward, its gradients checked;
+- ``run_jvp``: input tangents as jvp expects them, a ctx rebuilt from the
+  residuals, the user's jvp, its tangents checked.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.custom_batching
+import jax.numpy as jnp
+import numpy as np
+from jax.errors import (
+    ConcretizationTypeError,
+    TracerArrayConversionError,
+    TracerBoolConversionError,
+    TracerIntegerConversionError,
+)
+
+from . import _anomaly, _host, _jax_internals, _sharding
+from ._args import Signature, as_arrays, as_jax_leaf, split_residuals
+from ._ctx import Carried, FunctionCtx, call_forward, close, dirty_of, forwarded, method_of, rule_ctx
+from ._once import call_without_derivative, is_once_differentiable
+from ._outputs import (
+    Packed,
+    ResidualMeta,
+    Residuals,
+    check_backward_outputs,
+    check_jvp_outputs,
+    differentiable_outputs,
+    output_cotangents,
+    pack_outputs,
+)
+from ._tree import Partition, Unkeyable, find_tracer, is_array, is_differentiable_dtype, partition
+
+
+class Spec:
+    """What vjpkit reads off a class, once: its methods (those ``base`` defines count as absent) and options."""
+
+    def __init__(self, cls: Any, base: type):
+        self.name = cls.__name__
+        self.forward = cls.forward
+        # PyTorch documents ``vjp`` as another name of ``backward``.
+        self.backward = _defined(cls, base, "backward") or getattr(cls, "vjp", None)
+        self.jvp = _defined(cls, base, "jvp")
+        self.setup_context = _defined(cls, base, "setup_context")
+        self.signature = Signature(self.name, self.forward, skip_first=self.setup_context is None)
+        sig = self.signature
+        self.takes_inputs = any(name not in sig.defaults for name in (*sig.positional, *sig.keyword_only))
+        # A class made inside a transformed function may close over that function's tracers, which a jit of
+        # its own cannot hold (JAX lowers them as constants): such a class runs as a plain custom_vjp does.
+        self.closure_tracers = _closure_tracers(self.forward, self.backward, self.jvp, self.setup_context)
+        self.closes_over_tracer = bool(self.closure_tracers)
+        self.jit = bool(cls.jit) and not self.closes_over_tracer
+        self.cache_size = _cache_size(self.name, cls.cache_size)
+        self.once_differentiable = is_once_differentiable(self.backward)
+        self.host = bool(cls.host)
+        self.vmap = _vmap_rule(cls, self)
+        if cls.host:
+            _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
+
+
+    def partition_arguments(self, values: tuple) -> tuple[Partition, list]:
+        """The bound arguments split into the static part (keyed by value) and the arrays."""
+        try:
+            return partition(values, is_array, by_value=True)
+        except Unkeyable as e:
+            raise self._unkeyable(values, e) from None
+
+    def _unkeyable(self, values: tuple, e: Unkeyable) -> TypeError:
+        holder = next(i for i, v in enumerate(values) if _path_in(e, v) is not None)
+        name = self.signature.names(len(values))[holder]
+        where = f"{name}{_path_in(e, values[holder])}"
+        culprit, owner = e.culprit, type(e.value).__name__
+        if e.reason == "array":
+            problem = (
+                f"{where} is an array (shape {tuple(culprit.shape)}, dtype {culprit.dtype}), which cannot be "
+                "part of a compile-cache key. Pass the array as an argument of its own (arrays are traced), "
+                f"or hold Python values (floats, tuples) in the {owner} instead."
+            )
+        else:
+            kind = type(culprit).__name__
+            problem = (
+                f"{where} is an unhashable {kind} "
+                f"{'that refers back to itself' if e.reason == 'cycle' else 'with no fields to compare'}. "
+                f"Make {kind} hashable (define __eq__ and __hash__, or use @dataclass(frozen=True)) "
+                "to key it by its own equality."
+            )
+        return TypeError(
+            f"{self.name}.apply: static argument {name!r} ({owner}) is keyed by its contents, so that a "
+            f"changed object gets a new program; but {problem}"
+        )
+
+
+def _leaf_path(tree: Any, position: int) -> str:
+    """The key path of the leaf at ``position`` in ``tree``'s flattening."""
+    return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][position][0])
+
+
+def _path_in(e: Unkeyable, value: Any) -> str | None:
+    """Where in the argument ``value`` the unkeyable part is (None if elsewhere)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if leaf is e.value:
+            return jax.tree_util.keystr(path) + e.path
+    return None
+
+
+def profiled(owner: str, method: str) -> Any:
+    """A named scope ``Owner.method`` around a user's method: its ops carry the name in profiles.
+
+    JAX records the scope in each op's ``op_name`` metadata, which profilers
+    (TensorBoard, Perfetto) and the compiled HLO show; it costs nothing at run time.
+    """
+    return jax.named_scope(f"{owner}.{method}")
+
+
+# ---------------------------------------------------------------------------
+# A traced array's value asked for in the user's methods: vjpkit's message.
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (jax, jnp, np) if m.__file__
+) + (os.path.dirname(__file__) + os.sep,)
+
+
+def run_user_method(owner: str, ctx: FunctionCtx, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``, a user's method: named ``owner.<method>`` in profiles, ``ctx`` closed after.
+
+    The user's methods run while JAX traces, so their arrays have no values
+    yet: NumPy calls, ``.item()``/``float()``/``int()`` and a Python ``if``
+    on one fail there, with JAX's errors turned into vjpkit's, naming the
+    method (``method_of(ctx)``: forward, setup_context, backward or jvp).
+    """
+    try:
+        with profiled(owner, method_of(ctx)):
+            return fn(*args)
+    except (TracerArrayConversionError, TracerBoolConversionError, ConcretizationTypeError,
+            TracerIntegerConversionError) as e:
+        raise _traced_value_error(owner, method_of(ctx), e) from e
+    finally:
+        close(ctx)
+
+
+def _traced_value_error(owner: str, name: str, e: Exception) -> TypeError:
+    """vjpkit's error for JAX's ``e``: a traced array used as a concrete value in ``owner.name``."""
+    if isinstance(e, TracerArrayConversionError):
+        return TypeError(
+            f"{owner}.{name} converted a traced JAX array to NumPy. {name} runs while "
+            "JAX traces, so its arrays are tracers, not concrete values: write it with jax.numpy, or "
+            f"declare the Function host-side (@vjpkit.function(host=True)) to run NumPy code.{_user_line(e)}"
+        )
+    if isinstance(e, TracerBoolConversionError):
+        return TypeError(
+            f"{owner}.{name} used a traced array as a Python bool (an if, while, and/or, or assert on "
+            f"an array's value). {name} runs while JAX traces, so its arrays have no "
+            "values yet: select values with jnp.where(condition, x, y), branch with jax.lax.cond, "
+            f"loop with jax.lax.while_loop.{_user_line(e)}"
+        )
+    return TypeError(
+        f"{owner}.{name} converted a traced array to a Python number (.item(), float(), int() or "
+        f"an index). {name} runs while JAX traces, so its arrays have no values "
+        "yet: keep the value an array (jnp.clip(x, -alpha, alpha) takes array bounds; jnp "
+        f"functions and arithmetic take arrays), or select values with jnp.where.{_user_line(e)}"
+    )
+
+
+def _user_line(e: BaseException) -> str:
+    """Where in the user's code ``e`` was raised: the innermost frame outside JAX, NumPy and vjpkit."""
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    filename, line = found.tb_frame.f_code.co_filename, found.tb_lineno
+    source = linecache.getline(filename, line).strip()
+    return f" At line {line} of {filename}" + (f": `{source}`" if source else ".")
+
+
+# ---------------------------------------------------------------------------
+# Reading the class (for Spec).
+
+
+def _cache_size(name: str, value: Any) -> int:
+    # At least one program: a cache that keeps none would drop the program it just made.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{name}.cache_size must be a positive int (the number of compiled programs kept "
+            f"per class), got {value!r}."
+        )
+    return value
+
+
+def _closure_tracers(*methods: Any) -> frozenset:
+    """The ids of the JAX tracers that the methods' closures hold (directly, or as leaves of pytrees)."""
+    found: set[int] = set()
+    for method in methods:
+        for cell in getattr(method, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # not yet bound (the class itself, referred to by its own methods)
+                continue
+            found.update(id(leaf) for leaf in jax.tree_util.tree_leaves(value) if isinstance(leaf, jax.core.Tracer))
+    return frozenset(found)
+
+
+def _vmap_rule(cls: Any, spec: Spec) -> Callable | None:
+    """The class's ``vmap(info, in_dims, *args)`` staticmethod (PyTorch's batching rule), checked; None if absent.
+
+    A host Function runs its rule on the host (``_host.py``).
+    """
+    rule = getattr(cls, "vmap", None)
+    generated = bool(getattr(cls, "generate_vmap_rule", False))
+    if rule is None:
+        return None  # generate_vmap_rule = True or not: jax.vmap batches forward as written
+    if generated:
+        raise TypeError(
+            f"{spec.name} has both generate_vmap_rule = True and a vmap staticmethod: set "
+            "generate_vmap_rule = False to use the vmap staticmethod, or delete the vmap staticmethod "
+            "to batch forward as written (as PyTorch requires)."
+        )
+    if cls.host:
+        return None  # run on the host, by the host Function's own forward
+    if spec.setup_context is None:
+        raise TypeError(
+            f"{spec.name} defines a vmap staticmethod, which batches forward's outputs only, so forward "
+            f"must not take ctx: write {spec.name}.forward(*inputs) and fill ctx in "
+            f"{spec.name}.setup_context(ctx, inputs, output) (PyTorch's rule for a Function with a "
+            "vmap staticmethod), or delete the vmap staticmethod to batch forward as written."
+        )
+    return rule
+
+
+def _forward_batched_by_rule(spec: Spec, layout: Partition, arrays: tuple) -> Callable:
+    """``spec.forward`` of these arrays, which ``jax.vmap`` batches by the class's vmap staticmethod.
+
+    Why ``jax.custom_batching.custom_vmap`` around forward alone: setup_context,
+    backward and jvp still see the outputs as forward computes them, as in
+    PyTorch, where the rule replaces forward under vmap and nothing else.
+    """
+    out_layouts: list[Partition] = []  # forward's output structure, found when custom_vmap traces it
+    user_rule = spec.vmap
+    assert user_rule is not None  # only a class with a rule gets here
+
+    def forward(*arrays: Any) -> list:
+        out = spec.signature.call(spec.forward, (), layout.combine(arrays))
+        out_layout, leaves = partition(out, is_array)
+        out_layouts.append(out_layout)
+        return list(leaves)
+
+    batched = jax.custom_batching.custom_vmap(forward)
+
+    @batched.def_vmap
+    def rule(axis_size: int, in_batched: Sequence[bool], *arrays: Any) -> tuple[list, list]:
+        in_dims = tuple(layout.combine([0 if b else None for b in in_batched], keep_static=False))
+        info = _host.VmapInfo(axis_size)
+        with profiled(spec.name, "vmap"):
+            result = spec.signature.call(user_rule, (info, in_dims), layout.combine(arrays))
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                f"{spec.name}.vmap returned {type(result).__name__}: expected a pair (outputs, out_dims), "
+                "as torch.autograd.Function.vmap returns."
+            )
+        out, out_dims = result
+        out_layout, leaves = partition(out, is_array)
+        expected = out_layouts[-1]
+        if out_layout.treedef != expected.treedef or out_layout.dynamic != expected.dynamic:
+            raise TypeError(
+                f"{spec.name}.vmap returned outputs of structure {out_layout.treedef}, expected forward's "
+                f"structure {expected.treedef} (with arrays in the same places)."
+            )
+        dims = _output_dims(spec.name, out, out_dims, out_layout)
+        moved = [leaf if d is None else jnp.moveaxis(leaf, d, 0) for leaf, d in zip(leaves, dims, strict=True)]
+        return moved, [d is not None for d in dims]
+
+    def forward_by_rule(*values: Any, **keyword_values: Any) -> Any:
+        leaves = batched(*arrays)
+        return out_layouts[-1].combine(leaves)
+
+    return forward_by_rule
+
+
+def _output_dims(name: str, out: Any, out_dims: Any, out_layout: Partition) -> list:
+    """The batch axis (or None) of each array output, from the vmap rule's ``out_dims``."""
+    if out_dims is None or isinstance(out_dims, int):
+        return [out_dims] * len(out_layout.dynamic)
+    incompatible = TypeError(
+        f"{name}.vmap returned out_dims {out_dims!r}, incompatible with its outputs: expected an int or None, "
+        f"or one per output in the outputs' structure {jax.tree_util.tree_structure(out)}."
+    )
+    try:
+        per_leaf = jax.tree_util.tree_structure(out).flatten_up_to(out_dims)  # type: ignore[attr-defined]
+    except (ValueError, TypeError):
+        raise incompatible from None
+    dims = [per_leaf[k] for k in out_layout.dynamic]
+    if not all(d is None or isinstance(d, int) for d in dims):
+        raise incompatible
+    return dims
+
+
+def _defined(cls: type, base: type, method: str) -> Callable | None:
+    fn = getattr(cls, method)
+    return None if fn is getattr(base, method) else fn
+
+
+# ---------------------------------------------------------------------------
+# What forward left on ctx, as residuals: arrays as pytree children, everything else as static data.
+
+
+def _kind(x: Any) -> tuple:
+    return (tuple(x.shape), x.dtype)
+
+
+# Layouts of what forward left when that is only saved arrays (and None):
+# keyed by where the Nones are, built once each.
+_SAVED_ONLY_LAYOUTS: dict[tuple, Partition] = {}
+_SAVED_ONLY_NONES: dict[Partition, tuple] = {}  # the reverse
+
+
+def _split_carried(carried: Carried) -> tuple[Partition, tuple]:
+    """``split_residuals(carried)``, without flattening it in the common case (saved arrays only)."""
+    if carried.attributes or carried.host is not None or carried.saved_forward:
+        return split_residuals(carried)
+    nones = tuple(x is None for x in carried.saved)
+    layout = _SAVED_ONLY_LAYOUTS.get(nones)
+    if layout is None:
+        layout = _SAVED_ONLY_LAYOUTS[nones] = split_residuals(carried)[0]
+        _SAVED_ONLY_NONES[layout] = nones
+    return layout, tuple(as_jax_leaf(x) for x in carried.saved if x is not None)
+
+
+def _combine_carried(layout: Partition, arrays: Sequence[Any]) -> Carried:
+    """``layout.combine(arrays)``: what forward left, rebuilt from its arrays (directly for saved arrays only)."""
+    nones = _SAVED_ONLY_NONES.get(layout)
+    if nones is None:
+        return layout.combine(arrays)
+    it = iter(arrays)
+    return Carried(tuple(None if none else next(it) for none in nones), (), {}, None)
+
+
+class Runner:
+    """The user's methods for one static part of a call (``layout``), and their checks."""
+
+    def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
+        self.spec = spec
+        self.layout = layout.snapshot()  # unhashable static arguments copied: they are keyed by contents
+        self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
+        self.names = spec.signature.names(n_values)
+        self.param_treedefs = tuple(layout.treedef.children())
+        owners = layout.owners()
+        self.param_of_dynamic = tuple(owners[k][0] for k in layout.dynamic)
+        self.n_params = n_values
+        # Every argument an array: the arguments are the arrays themselves, no rebuilding.
+        self.all_arrays = not layout.static and all(len(owner) == 2 and owner[1] == 0 for owner in owners) and all(
+            child.num_leaves == 1 and not child.children() for child in self.param_treedefs
+        )
+
+    def needs_input_grad(self, perturbed: Any, arrays: Any) -> tuple[bool, ...]:
+        """One flag per parameter: whether JAX differentiates any of its float leaves."""
+        needs = [False] * self.n_params
+        for param, p, x in zip(self.param_of_dynamic, perturbed, arrays, strict=True):
+            if p and is_differentiable_dtype(x.dtype):
+                needs[param] = True
+        return tuple(needs)
+
+    def input_kinds(self, arrays: Any) -> tuple:
+        """Per leaf of the bound arguments: None (static) or the array's type."""
+        kinds = []
+        for x in arrays:
+            aval = _jax_internals.typeof(x)  # read once for all four
+            kinds.append((
+                tuple(aval.shape), aval.dtype, _jax_internals.varying_axes_of_type(aval),
+                _sharding.explicit_sharding_of_type(aval),
+            ))
+        return tuple(self.layout.leaves(kinds, keep_static=False))
+
+    # -- forward -----------------------------------------------------------
+
+    def primal(self, *arrays: Any) -> Packed:
+        """forward's outputs when nothing is differentiated."""
+        packed, _, _ = self._forward(as_arrays(arrays), (False,) * self.n_params)
+        return packed
+
+    def run_forward(self, arrays: tuple, needs: tuple, forward_mode: bool = False) -> tuple[Packed, Residuals]:
+        """forward's outputs, and what backward (and, in ``forward_mode``, jvp) needs of it (``arrays``: JAX arrays)."""
+        packed, out, ctx = self._forward(arrays, needs)
+        left = forwarded(ctx, forward_mode)
+        self._check_static_attributes(left.carried.attributes, method_of(ctx))
+        layout, res_arrays = _split_carried(left.carried)
+        meta = ResidualMeta(
+            layout, needs, differentiable_outputs(out, left.non_differentiable),
+            tuple(_kind(a) for a in packed.arrays), left.materialize, self.input_kinds(arrays),
+        )
+        return packed, Residuals(res_arrays, meta)
+
+    def _check_static_attributes(self, attributes: dict, method: str) -> None:
+        """ctx attributes that travel as static data must hold no array of the trace."""
+        for name, value in attributes.items():
+            layout, _ = partition(value, is_array)
+            for position, leaf in layout.static:
+                found = find_tracer(leaf)
+                if found is None:
+                    continue
+                inner, tracer = found
+                if id(tracer) in self.spec.closure_tracers:
+                    continue  # a tracer of the enclosing transformation, which the methods close over too
+                leaf_path = _leaf_path(value, position)
+                owner = type(leaf).__name__
+                raise TypeError(
+                    f"{self.spec.name}.{method}: ctx.{name}{leaf_path} is a {owner} holding an array of "
+                    f"shape {tuple(tracer.shape)} and dtype {tracer.dtype} (at ctx.{name}{leaf_path}{inner}). "
+                    f"A ctx attribute that is not an array or a pytree of arrays travels to backward as "
+                    "static data, fixed when JAX traces, so the arrays inside it do not. Store the array "
+                    f"itself on ctx (ctx.{name}_array = ...) or save it with ctx.save_for_backward, and "
+                    f"rebuild the {owner} in backward."
+                )
+
+    def _forward(self, arrays: tuple, needs: tuple) -> tuple[Packed, Any, FunctionCtx]:
+        spec = self.spec
+        values = tuple(arrays) if self.all_arrays else self.layout.combine(arrays)
+        ctx = FunctionCtx(spec.name, needs, values)
+        forward = spec.forward if spec.vmap is None else _forward_batched_by_rule(spec, self.layout, arrays)
+        try:
+            out = run_user_method(
+                spec.name, ctx, call_forward, ctx, spec.signature, forward, spec.setup_context, values
+            )
+        except _sharding.sharding_type_errors() as e:
+            raise _sharding.forward_sharding_error(spec.name, method_of(ctx), e) from None
+        dirty = dirty_of(ctx)
+        if dirty and not {id(x) for x in dirty}.isdisjoint(map(id, jax.tree_util.tree_leaves(out))):
+            raise ValueError(
+                f"{spec.name}.forward marked an input dirty (ctx.mark_dirty) and "
+                "returned that same input object unchanged. JAX arrays are "
+                "immutable: compute the new value (e.g. x = x.at[i].set(v)) and "
+                "return it."
+            )
+        packed = pack_outputs(spec.name, out)
+        if self.anomaly:
+            self.check_outputs(packed)
+        return packed, out, ctx
+
+    # -- backward ----------------------------------------------------------
+
+    def run_backward(self, residuals: Residuals, out_layout: Partition, cotangents: Sequence[Any]) -> list:
+        """backward's checked gradients: one cotangent (or None) per array input leaf.
+
+        ``cotangents`` has one entry per array output, a ``SymbolicZero``
+        where JAX passes none; backward receives zeros there, or None when
+        forward turned materialization off (PyTorch's rule). Under Explicit
+        mesh axes backward runs with them Auto, each gradient typed as its input.
+        """
+        return _sharding.call_with_auto_axes(
+            self._run_backward,
+            (residuals, out_layout, cotangents),
+            _sharding.gradient_shardings(residuals.meta.in_kinds),
+        )
+
+    def _run_backward(self, residuals: Residuals, out_layout: Partition, cotangents: Sequence[Any]) -> list:
+        meta = residuals.meta
+        if not any(meta.differentiable):
+            # No output carries a gradient, so none flows back: PyTorch never calls
+            # backward then (and real backward methods raise in that case).
+            return [None] * len(self.layout.dynamic)
+        grads = output_cotangents(out_layout, cotangents, meta.out_avals, meta.differentiable, meta.materialize)
+        if not self.spec.once_differentiable:
+            return self._backward(meta, residuals.arrays, grads)
+        grad_leaves, grad_treedef = jax.tree_util.tree_flatten(grads)
+        n_res = len(residuals.arrays)
+
+        def backward_of_arrays(*xs: Any) -> list:
+            return self._backward(meta, xs[:n_res], jax.tree_util.tree_unflatten(grad_treedef, xs[n_res:]))
+
+        return call_without_derivative(backward_of_arrays, (*residuals.arrays, *grad_leaves), self.once_message())
+
+    def _backward(self, meta: ResidualMeta, res_arrays: Sequence[Any], grads: tuple) -> list:
+        spec = self.spec
+        assert spec.backward is not None  # run_backward is reached only when backward exists
+        ctx = rule_ctx(spec.name, "backward", meta.needs, _combine_carried(meta.layout, res_arrays), meta.materialize)
+        result = run_user_method(spec.name, ctx, spec.backward, ctx, *grads)
+        cotangents = check_backward_outputs(
+            spec.name, result, self.param_treedefs, self.names, meta.in_kinds, meta.needs
+        )
+        if self.anomaly:
+            self.check_gradients(cotangents)
+        return cotangents
+
+    # -- jvp ---------------------------------------------------------------
+
+    def run_jvp(self, meta: ResidualMeta, residuals: Sequence[Any], out_layout: Partition, in_avals: list,
+                linear: list, tangents: Sequence[Any]) -> list:
+        """jvp's checked tangents, one per differentiable output (``tangents``: those of the input leaves ``linear``).
+
+        The other inputs' tangents reach jvp as zeros, or None when forward
+        turned materialization off (PyTorch's rule).
+        """
+        spec = self.spec
+        assert spec.jvp is not None  # the program asks for jvp only for a class with one
+        tangent_leaves: list = [None] * len(in_avals)
+        # Evaluated eagerly (jax.linearize of a jaxpr), a tangent may be JAX's weakly typed Python scalar.
+        for d, t in zip(linear, as_arrays(tangents), strict=True):
+            tangent_leaves[d] = t
+        for d, t in enumerate(tangent_leaves):
+            if t is None and meta.materialize and is_differentiable_dtype(in_avals[d][1]):
+                tangent_leaves[d] = jnp.zeros(*in_avals[d])
+        ctx = rule_ctx(spec.name, "jvp", meta.needs, meta.layout.combine(residuals), meta.materialize)
+        try:
+            result = run_user_method(
+                spec.name, ctx, spec.jvp, ctx, *self.layout.combine(tangent_leaves, keep_static=False)
+            )
+        except _sharding.sharding_type_errors() as e:
+            raise _sharding.forward_sharding_error(spec.name, "jvp", e) from None
+        tangents_out = check_jvp_outputs(spec.name, result, out_layout, meta.differentiable, meta.out_avals)
+        if self.anomaly:
+            outputs = [j for j, diff in enumerate(meta.differentiable) if diff]
+            labelled = [(f"the tangent of output {j}", t) for j, t in zip(outputs, tangents_out, strict=True)]
+            _anomaly.check_finite(spec.name, "jvp", labelled)
+        return tangents_out
+
+    # -- messages ----------------------------------------------------------
+
+    def once_message(self) -> str:
+        return (
+            f"{self.spec.name}.backward is decorated with @once_differentiable, so it "
+            "cannot be differentiated (a second derivative such as jax.hessian or "
+            "grad of grad was asked for). Remove the decorator if backward is "
+            "written in differentiable JAX operations."
+        )
+
+    # -- vjpkit.detect_anomaly ----------------------------------------------
+
+    def check_outputs(self, packed: Packed) -> None:
+        labelled = [(f"output {j}", a) for j, a in enumerate(packed.arrays)]
+        _anomaly.check_finite(self.spec.name, "forward", labelled)
+
+    def check_gradients(self, grads: list, method: str = "backward") -> None:
+        """``grads``: one per array input leaf, as ``check_backward_outputs`` returns them."""
+        labels = _anomaly.input_labels(self.names, self.layout)
+        _anomaly.check_finite(self.spec.name, method, list(zip(labels, grads, strict=True)))

@@ -1,0 +1,578 @@
+"""The table behind ``from_torch(..., mode="trace")``: torch functions and methods as JAX operations.
+
+Each rule computes one torch operation with ``jax.numpy``/``lax`` on JAX
+values. Shapes and dtypes are not worked out here: the tracer runs the same
+torch call on ``meta`` tensors first, so torch itself decides type
+promotion, broadcasting and dim defaults, and hands the rule that answer
+as ``out`` (a meta tensor, or a tuple of them). A rule then only has to
+compute the values: a reshape rule reshapes to ``out.shape``, an
+arithmetic rule computes in ``out.dtype``, and the tracer casts every
+result to torch's dtype and checks its shape.
+
+Rules are keyed by ``torch.overrides.resolve_name`` of the function
+(``"torch.sigmoid"``, ``"torch.Tensor.sigmoid"``, ``"torch.nn.functional.softplus"``);
+their parameters carry torch's names, so keyword calls bind as in torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["RULES", "VIEWS", "Untraceable", "jax_dtype"]
+
+
+class Untraceable(NotImplementedError):
+    """A torch operation with no JAX counterpart here, or one that needs values (``.item()``)."""
+
+    def __init__(self, op: str, why: str = "has no JAX rule in vjpkit's trace mode", where: str = ""):
+        super().__init__(op, why, where)
+        self.op, self.why, self.where = op, why, where
+
+    def __str__(self) -> str:
+        return f"{self.where + ' calls ' if self.where else ''}{self.op}, which {self.why}"
+
+
+def jax_dtype(torch_dtype: Any) -> np.dtype:
+    """The JAX dtype of a torch dtype, canonical (float64 is float32 without ``jax_enable_x64``)."""
+    name = str(torch_dtype).removeprefix("torch.")
+    if name == "bfloat16":
+        return jnp.dtype(jnp.bfloat16)
+    return jax.dtypes.canonicalize_dtype(np.dtype({"bool": "bool_"}.get(name, name)))
+
+
+RULES: dict[str, Callable] = {}
+# Operations whose result shares storage with an argument in torch: an in-place
+# write into one of them (or into a tensor one of them was taken from) would
+# need aliasing, which JAX values have not got.
+VIEWS: set[str] = set()
+
+
+def _rule(*names: str, view: bool = False, method: bool = True, function: bool = True,
+          functional: bool = False) -> Callable:
+    """Registers a rule under ``torch.NAME`` and ``torch.Tensor.NAME`` (and ``torch.nn.functional.NAME``)."""
+
+    def register(rule: Callable) -> Callable:
+        for name in names:
+            keys = ([f"torch.{name}"] if function else []) + ([f"torch.Tensor.{name}"] if method else [])
+            keys += [f"torch.nn.functional.{name}"] if functional else []
+            for key in keys:
+                RULES[key] = rule
+                if view:
+                    VIEWS.add(key)
+        return rule
+
+    return register
+
+
+def _in(out: Any, *xs: Any) -> list:
+    """Array operands cast to torch's result dtype; Python scalars stay weakly typed, as torch's do."""
+    dtype = jax_dtype(out.dtype)
+    return [x.astype(dtype) if isinstance(x, jax.Array) and x.dtype != dtype else x for x in xs]
+
+
+def _dims(dim: Any, ndim: int) -> tuple[int, ...] | None:
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return None
+    return tuple(d % max(ndim, 1) for d in (dim if isinstance(dim, (tuple, list)) else (dim,)))
+
+
+def _sizes(size: tuple) -> tuple:
+    """``f(2, 3)`` and ``f((2, 3))`` alike."""
+    return tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else tuple(size)
+
+
+# ---------------------------------------------------------------------------
+# Elementwise: computed in torch's result dtype.
+
+
+def _elementwise(names: str, fn: Callable, functional: bool = False) -> None:
+    def rule(out: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(*_in(out, *args), **kwargs)
+
+    _rule(*names.split(), functional=functional)(rule)
+
+
+_ARITHMETIC: dict[str, Callable[..., Any]] = {
+    "exp": jnp.exp, "exp2": jnp.exp2, "expm1": jnp.expm1, "log": jnp.log, "log2": jnp.log2, "log10": jnp.log10,
+    "log1p": jnp.log1p, "sqrt": jnp.sqrt, "rsqrt": lax.rsqrt, "sin": jnp.sin, "cos": jnp.cos, "tan": jnp.tan,
+    "asin arcsin": jnp.arcsin, "acos arccos": jnp.arccos, "atan arctan": jnp.arctan, "sinh": jnp.sinh,
+    "cosh": jnp.cosh, "tanh": jnp.tanh, "asinh arcsinh": jnp.arcsinh, "acosh arccosh": jnp.arccosh,
+    "atanh arctanh": jnp.arctanh, "sigmoid": jax.nn.sigmoid, "erf": lax.erf, "erfc": lax.erfc,
+    "abs absolute __abs__": jnp.abs, "neg negative __neg__": jnp.negative, "sign sgn": jnp.sign,
+    "floor": jnp.floor, "ceil": jnp.ceil, "trunc fix": jnp.trunc, "frac": lambda x: x - jnp.trunc(x),
+    "reciprocal": jnp.reciprocal, "square": jnp.square, "deg2rad": jnp.deg2rad, "rad2deg": jnp.rad2deg,
+    "logical_not": jnp.logical_not, "bitwise_not __invert__": jnp.invert, "isnan": jnp.isnan,
+    "isinf": jnp.isinf, "isfinite": jnp.isfinite, "signbit": jnp.signbit,
+    "add __add__ __radd__": lambda x, y, alpha=1: x + (y if alpha == 1 else alpha * y),
+    "sub subtract __sub__": lambda x, y, alpha=1: x - (y if alpha == 1 else alpha * y),
+    "rsub __rsub__": lambda x, y, alpha=1: y - (x if alpha == 1 else alpha * x),
+    "mul multiply __mul__ __rmul__": jnp.multiply,
+    "true_divide __truediv__": jnp.true_divide, "__rtruediv__": lambda x, y: y / x,
+    "floor_divide __floordiv__": jnp.floor_divide, "__rfloordiv__": lambda x, y: y // x,
+    "remainder __mod__": jnp.remainder, "__rmod__": lambda x, y: jnp.remainder(y, x), "fmod": jnp.fmod,
+    "pow __pow__ float_power": jnp.power, "__rpow__": lambda x, y: jnp.power(y, x), "atan2 arctan2": jnp.arctan2,
+    "maximum": jnp.maximum, "minimum": jnp.minimum, "fmax": jnp.fmax, "fmin": jnp.fmin, "hypot": jnp.hypot,
+    "copysign": jnp.copysign, "xlogy": jax.scipy.special.xlogy, "logaddexp": jnp.logaddexp,
+    "logical_and": jnp.logical_and, "logical_or": jnp.logical_or, "logical_xor": jnp.logical_xor,
+    "bitwise_and __and__ __rand__": jnp.bitwise_and, "bitwise_or __or__ __ror__": jnp.bitwise_or,
+    "bitwise_xor __xor__ __rxor__": jnp.bitwise_xor,
+    "lerp": lambda x, end, weight: x + weight * (end - x),
+}
+for _names, _fn in _ARITHMETIC.items():
+    _elementwise(_names, _fn)
+
+_ACTIVATIONS: dict[str, Callable[..., Any]] = {  # also in torch.nn.functional
+    "relu": jax.nn.relu, "relu6": jax.nn.relu6, "silu": jax.nn.silu, "selu": jax.nn.selu,
+    "logsigmoid": jax.nn.log_sigmoid, "hardsigmoid": lambda x, inplace=False: jnp.clip(x / 6 + 0.5, 0, 1),
+    "hardswish": lambda x, inplace=False: x * jnp.clip(x / 6 + 0.5, 0, 1),
+    "mish": lambda x, inplace=False: x * jnp.tanh(jax.nn.softplus(x)),
+    "softplus": lambda x, beta=1.0, threshold=20.0: jnp.where(x * beta > threshold, x,
+                                                              jnp.log1p(jnp.exp(beta * x)) / beta),
+    "elu": lambda x, alpha=1.0, inplace=False: jax.nn.elu(x, alpha),
+    "leaky_relu": lambda x, negative_slope=0.01, inplace=False: jax.nn.leaky_relu(x, negative_slope),
+    "gelu": lambda x, approximate="none": jax.nn.gelu(x, approximate=approximate == "tanh"),
+    "hardtanh": lambda x, min_val=-1.0, max_val=1.0, inplace=False: _clamp_values(x, min_val, max_val),
+}
+for _names, _fn in _ACTIVATIONS.items():
+    _elementwise(_names, _fn, functional=True)
+
+
+def _clamp_values(x: Any, low: Any, high: Any) -> Any:
+    # torch's clamp passes the gradient on its bounds (min <= x <= max); jnp.clip halves it there.
+    if low is not None:
+        x = jnp.where(x < low, low, x)
+    if high is not None:
+        x = jnp.where(x > high, high, x)
+    return x
+
+
+@_rule("clamp", "clip")
+def _clamp(out: Any, input: Any, min: Any = None, max: Any = None) -> Any:
+    x, low, high = _in(out, input, min, max)
+    return _clamp_values(x, low, high)
+
+
+@_rule("clamp_min")
+def _clamp_min(out: Any, input: Any, min: Any) -> Any:
+    return _clamp(out, input, min=min)
+
+
+@_rule("clamp_max")
+def _clamp_max(out: Any, input: Any, max: Any) -> Any:
+    return _clamp(out, input, max=max)
+
+
+@_rule("round")
+def _round(out: Any, input: Any, *, decimals: int = 0) -> Any:
+    return jnp.round(input, decimals)  # half to even, as torch
+
+
+@_rule("div", "divide")
+def _div(out: Any, input: Any, other: Any, *, rounding_mode: str | None = None) -> Any:
+    x, y = _in(out, input, other)
+    if rounding_mode is None:
+        return jnp.true_divide(x, y)
+    return jnp.floor_divide(x, y) if rounding_mode == "floor" else jnp.trunc(jnp.true_divide(x, y)).astype(x.dtype)
+
+
+@_rule("where")
+def _where(out: Any, condition: Any, input: Any = None, other: Any = None) -> Any:
+    if input is None:
+        raise Untraceable("torch.where(condition)", "has a data-dependent shape")
+    x, y = _in(out, input, other)
+    return jnp.where(condition, x, y)
+
+
+@_rule("masked_fill")
+def _masked_fill(out: Any, input: Any, mask: Any, value: Any) -> Any:
+    return jnp.where(mask, *_in(out, value, input))
+
+
+def _comparison(names: str, fn: Callable) -> None:
+    import torch
+
+    def rule(out: Any, input: Any, other: Any, _metas: tuple = ()) -> Any:
+        dtype = jax_dtype(torch.result_type(*_metas)) if _metas else None
+        cast = [v.astype(dtype) if dtype is not None and isinstance(v, jax.Array) else v for v in (input, other)]
+        return fn(*cast)
+
+    rule.wants_metas = True  # type: ignore[attr-defined]
+    _rule(*names.split())(rule)
+
+
+# ---------------------------------------------------------------------------
+# Reductions: torch's dim/keepdim; dim=None (or ()) reduces everything.
+
+
+def _reduction(names: str, fn: Callable) -> None:
+    def rule(out: Any, input: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+        (x,) = _in(out, input)
+        return fn(x, axis=_dims(dim, x.ndim), keepdims=keepdim)
+
+    _rule(*names.split())(rule)
+
+
+_REDUCTIONS: dict[str, Callable[..., Any]] = {
+    "sum": jnp.sum, "mean": jnp.mean, "prod": jnp.prod, "amax": jnp.max, "amin": jnp.min, "nansum": jnp.nansum,
+    "nanmean": jnp.nanmean, "logsumexp": jax.scipy.special.logsumexp, "any": jnp.any, "all": jnp.all,
+}
+for _names, _fn in _REDUCTIONS.items():
+    _reduction(_names, _fn)
+
+
+def _extremum(which: str) -> Callable:
+    values, index, pairwise = {"max": (jnp.max, jnp.argmax, jnp.maximum),
+                               "min": (jnp.min, jnp.argmin, jnp.minimum)}[which]
+
+    def rule(out: Any, input: Any, dim: Any = None, keepdim: bool = False) -> Any:
+        if isinstance(dim, jax.Array):  # torch.max(a, b): elementwise
+            return pairwise(*_in(out, input, dim))
+        if dim is None:
+            return values(input)
+        return values(input, axis=dim, keepdims=keepdim), index(input, axis=dim, keepdims=keepdim)
+
+    return rule
+
+
+for _which in ("max", "min"):
+    _rule(_which)(_extremum(_which))
+
+
+for _which, _fn in (("argmax", jnp.argmax), ("argmin", jnp.argmin)):
+    RULES[f"torch.{_which}"] = RULES[f"torch.Tensor.{_which}"] = (
+        lambda out, input, dim=None, keepdim=False, _fn=_fn:
+        _fn(input, axis=dim, keepdims=keepdim) if dim is not None else _fn(input.reshape(-1)).reshape(out.shape))
+
+
+for _which, _fn in (("var", jnp.var), ("std", jnp.std)):
+    def _spread(out: Any, input: Any, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *,
+                correction: Any = None, _fn: Callable = _fn) -> Any:
+        if isinstance(dim, bool):  # var(x, unbiased)
+            dim, unbiased = None, dim
+        ddof = correction if correction is not None else (0 if unbiased is False else 1)
+        return _fn(input, axis=_dims(dim, input.ndim), ddof=ddof, keepdims=keepdim)
+
+    RULES[f"torch.{_which}"] = RULES[f"torch.Tensor.{_which}"] = _spread
+
+
+RULES["torch.cumsum"] = RULES["torch.Tensor.cumsum"] = (
+    lambda out, input, dim, *, dtype=None: jnp.cumsum(_in(out, input)[0], axis=dim))
+RULES["torch.cumprod"] = RULES["torch.Tensor.cumprod"] = (
+    lambda out, input, dim, *, dtype=None: jnp.cumprod(_in(out, input)[0], axis=dim))
+
+
+for _which, _fn in (("softmax", jax.nn.softmax), ("log_softmax", jax.nn.log_softmax)):
+    for _key in (f"torch.{_which}", f"torch.Tensor.{_which}", f"torch.nn.functional.{_which}"):
+        RULES[_key] = (lambda out, input, dim=None, _stacklevel=3, dtype=None, _fn=_fn:
+                       _fn(*_in(out, input), axis=dim if dim is not None else -1))
+
+
+# ---------------------------------------------------------------------------
+# Shapes: torch's meta run gives the result shape.
+
+
+def _reshape(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    return jnp.reshape(input, tuple(out.shape))
+
+
+for _name in ("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
+              "ravel"):
+    _rule(_name, view=True)(_reshape)
+
+
+def _broadcast(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    return jnp.broadcast_to(input, tuple(out.shape))
+
+
+for _name in ("expand", "expand_as", "broadcast_to"):
+    _rule(_name, view=True)(_broadcast)
+
+
+def _same(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    """Casts (``to``, ``float``...), copies and detaching: the value; the tracer casts to ``out.dtype``."""
+    return input
+
+
+for _name in ("type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "short", "bool",
+              "byte", "char", "clone", "contiguous", "detach", "requires_grad_", "positive",
+              "__pos__", "new_tensor", "resolve_conj", "resolve_neg"):
+    _rule(_name, view=_name in ("detach", "contiguous"))(_same)
+RULES["torch.Tensor.data.__get__"] = _same
+VIEWS.add("torch.Tensor.data.__get__")
+
+
+def _filled(value: Any) -> Callable:
+    def rule(out: Any, *args: Any, **kwargs: Any) -> Any:
+        return jnp.full(tuple(out.shape), value, jax_dtype(out.dtype))
+
+    return rule
+
+
+for _name, _value in (("zeros_like", 0), ("ones_like", 1), ("empty_like", 0), ("new_zeros", 0), ("new_ones", 1),
+                      ("new_empty", 0)):
+    _rule(_name)(_filled(_value))
+
+
+@_rule("full_like")
+def _full_like(out: Any, input: Any, fill_value: Any, **kwargs: Any) -> Any:
+    return jnp.full(tuple(out.shape), fill_value, jax_dtype(out.dtype))
+
+
+@_rule("new_full")
+def _new_full(out: Any, input: Any, size: Any, fill_value: Any, **kwargs: Any) -> Any:
+    return jnp.full(tuple(out.shape), fill_value, jax_dtype(out.dtype))
+
+
+@_rule("transpose", "swapaxes", "swapdims", view=True)
+def _transpose(out: Any, input: Any, dim0: int, dim1: int) -> Any:
+    return jnp.swapaxes(input, dim0, dim1)
+
+
+@_rule("permute", view=True)
+def _permute(out: Any, input: Any, *dims: Any) -> Any:
+    return jnp.transpose(input, _sizes(dims))
+
+
+@_rule("t", view=True)
+def _t(out: Any, input: Any) -> Any:
+    return input.T
+
+
+RULES["torch.Tensor.T.__get__"] = lambda out, input: jnp.transpose(input)
+RULES["torch.Tensor.mT.__get__"] = lambda out, input: jnp.swapaxes(input, -2, -1)
+VIEWS.update({"torch.Tensor.T.__get__", "torch.Tensor.mT.__get__"})
+
+
+@_rule("movedim", "moveaxis", view=True)
+def _movedim(out: Any, input: Any, source: Any, destination: Any) -> Any:
+    return jnp.moveaxis(input, source, destination)
+
+
+@_rule("flip")
+def _flip(out: Any, input: Any, *dims: Any) -> Any:
+    return jnp.flip(input, _sizes(dims))
+
+
+@_rule("roll")
+def _roll(out: Any, input: Any, shifts: Any, dims: Any = None) -> Any:
+    return jnp.roll(input, shifts, dims)
+
+
+@_rule("repeat", function=False)
+def _repeat(out: Any, input: Any, *sizes: Any) -> Any:
+    return jnp.tile(input, _sizes(sizes))
+
+
+@_rule("tile")
+def _tile(out: Any, input: Any, dims: Any) -> Any:
+    return jnp.tile(input, tuple(dims))
+
+
+@_rule("narrow", view=True)
+def _narrow(out: Any, input: Any, dim: int, start: int, length: int) -> Any:
+    return lax.slice_in_dim(input, start % input.shape[dim], start % input.shape[dim] + length, axis=dim)
+
+
+@_rule("select", view=True)
+def _select(out: Any, input: Any, dim: int, index: int) -> Any:
+    return jnp.take(input, index, axis=dim)
+
+
+def _pieces(out: Any, input: Any, *args: Any, dim: int = 0, **kwargs: Any) -> tuple:
+    """``split``, ``chunk`` and ``unbind``: the pieces torch's meta run made, cut along ``dim``."""
+    if "dim" not in kwargs and args and isinstance(args[-1], int) and len(args) > 1:
+        dim = args[-1]
+    dim = kwargs.get("dim", dim) % input.ndim
+    sizes = [m.shape[dim] if m.ndim == input.ndim else 1 for m in out]
+    starts = np.cumsum([0, *sizes])
+    cut = [lax.slice_in_dim(input, int(a), int(b), axis=dim) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return tuple(c.reshape(tuple(m.shape)) for c, m in zip(cut, out, strict=True))
+
+
+for _name in ("split", "chunk", "unbind", "tensor_split"):
+    _rule(_name, view=True)(_pieces)
+
+
+@_rule("cat", "concat", "concatenate", method=False)
+def _cat(out: Any, tensors: Any, dim: int = 0) -> Any:
+    return jnp.concatenate(_in(out, *tensors), axis=dim)
+
+
+@_rule("stack", method=False)
+def _stack(out: Any, tensors: Any, dim: int = 0) -> Any:
+    return jnp.stack(_in(out, *tensors), axis=dim)
+
+
+# ---------------------------------------------------------------------------
+# Indexing, gathering and scattering.
+
+
+def index_of(index: Any) -> Any:
+    """A torch index as a JAX one; boolean masks select a data-dependent number of elements."""
+    parts = index if isinstance(index, tuple) else (index,)
+    for part in parts:
+        if isinstance(part, jax.Array) and part.dtype == jnp.bool_:
+            raise Untraceable("indexing with a boolean mask", "has a data-dependent shape")
+    return index
+
+
+@_rule("__getitem__", function=False, view=True)
+def _getitem(out: Any, input: Any, index: Any) -> Any:
+    return input[index_of(index)]
+
+
+def set_item(input: Any, index: Any, value: Any) -> Any:
+    """``input[index] = value`` as a new value: a boolean mask as ``where``, anything else as ``.at[].set``."""
+    value = jnp.asarray(value).astype(input.dtype)
+    if isinstance(index, jax.Array) and index.dtype == jnp.bool_:
+        mask = index.reshape(index.shape + (1,) * (input.ndim - index.ndim))
+        if value.ndim > 0:
+            raise Untraceable("assigning an array through a boolean mask", "has a data-dependent shape")
+        return jnp.where(mask, value, input)
+    return input.at[index].set(value)
+
+
+def _along(index: Any, dim: int) -> tuple:
+    """The full index tuple that reads ``index`` along ``dim`` and position elsewhere (gather/scatter)."""
+    grids = list(jnp.meshgrid(*[jnp.arange(n) for n in index.shape], indexing="ij", sparse=True))
+    grids[dim] = index
+    return tuple(grids)
+
+
+@_rule("gather")
+def _gather(out: Any, input: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
+    return input[_along(index, dim % input.ndim)]
+
+
+@_rule("take_along_dim")
+def _take_along_dim(out: Any, input: Any, indices: Any, dim: int | None = None) -> Any:
+    if dim is None:
+        return jnp.take(input.reshape(-1), indices.reshape(-1))
+    return jnp.take_along_axis(input, indices, axis=dim)
+
+
+def _scatter_rule(add: bool) -> Callable:
+    def rule(out: Any, input: Any, dim: int, index: Any, src: Any = None, value: Any = None, *,
+             reduce: str | None = None) -> Any:
+        if src is None:
+            src = value
+        if not isinstance(src, jax.Array) or src.ndim == 0:
+            src = jnp.broadcast_to(jnp.asarray(src, input.dtype), index.shape)
+        src = src[tuple(slice(0, n) for n in index.shape)].astype(input.dtype)
+        at = input.at[_along(index, dim % input.ndim)]
+        if add or reduce == "add":
+            return at.add(src)
+        if reduce == "multiply":
+            return at.multiply(src)
+        return at.set(src)
+
+    return rule
+
+
+RULES["torch.scatter"] = RULES["torch.Tensor.scatter"] = _scatter_rule(False)
+RULES["torch.scatter_add"] = RULES["torch.Tensor.scatter_add"] = _scatter_rule(True)
+
+
+@_rule("index_select")
+def _index_select(out: Any, input: Any, dim: int, index: Any) -> Any:
+    return jnp.take(input, index, axis=dim)
+
+
+@_rule("index_add")
+def _index_add(out: Any, input: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
+    dim = dim % input.ndim
+    where = (slice(None),) * dim + (index,)
+    return input.at[where].add((source if alpha == 1 else alpha * source).astype(input.dtype))
+
+
+@_rule("index_fill")
+def _index_fill(out: Any, input: Any, dim: int, index: Any, value: Any) -> Any:
+    return input.at[(slice(None),) * (dim % input.ndim) + (index,)].set(jnp.asarray(value, input.dtype))
+
+
+@_rule("topk")
+def _topk(out: Any, input: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple:
+    x = jnp.moveaxis(input, dim, -1)
+    values, indices = lax.top_k(x if largest else -x, k)  # sorted: torch's unsorted order is unspecified
+    values = values if largest else -values
+    return jnp.moveaxis(values, -1, dim), jnp.moveaxis(indices, -1, dim)
+
+
+@_rule("sort")
+def _sort(out: Any, input: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> tuple:
+    order = jnp.argsort(-input if descending else input, axis=dim, stable=True)
+    return jnp.take_along_axis(input, order, axis=dim), order
+
+
+@_rule("argsort")
+def _argsort(out: Any, input: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> Any:
+    return _sort(out, input, dim, descending)[1]
+
+
+# ---------------------------------------------------------------------------
+# Linear algebra.
+
+
+@_rule("matmul", "__matmul__", "mm", "bmm")
+def _matmul(out: Any, input: Any, other: Any) -> Any:
+    return jnp.matmul(*_in(out, input, other))
+
+
+@_rule("__rmatmul__", function=False)
+def _rmatmul(out: Any, input: Any, other: Any) -> Any:
+    return jnp.matmul(*_in(out, other, input))
+
+
+@_rule("addmm")
+def _addmm(out: Any, input: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    x, a, b = _in(out, input, mat1, mat2)
+    product = alpha * (a @ b) if alpha != 1 else a @ b
+    return product if beta == 0 else beta * x + product if beta != 1 else x + product
+
+
+@_rule("linear", functional=True, method=False, function=False)
+def _linear(out: Any, input: Any, weight: Any, bias: Any = None) -> Any:
+    x, w, b = _in(out, input, weight, bias)
+    return x @ w.T if b is None else x @ w.T + b
+
+
+@_rule("einsum", method=False)
+def _einsum(out: Any, equation: str, *operands: Any) -> Any:
+    return jnp.einsum(equation, *_in(out, *_sizes(operands)))
+
+
+@_rule("outer", "ger")
+def _outer(out: Any, input: Any, vec2: Any) -> Any:
+    return jnp.outer(*_in(out, input, vec2))
+
+
+@_rule("dot", "inner")
+def _dot(out: Any, input: Any, other: Any) -> Any:
+    return jnp.inner(*_in(out, input, other))
+
+
+@_rule("norm")
+def _norm(out: Any, input: Any, p: Any = "fro", dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
+    (x,) = _in(out, input)
+    axis = _dims(dim, x.ndim)
+    if p in ("fro", 2, 2.0):
+        return jnp.sqrt(jnp.sum(x * x, axis=axis, keepdims=keepdim))
+    if p in (math.inf, float("inf")):
+        return jnp.max(jnp.abs(x), axis=axis, keepdims=keepdim)
+    return jnp.sum(jnp.abs(x) ** p, axis=axis, keepdims=keepdim) ** (1.0 / p)
+
+
+def _install_comparisons() -> None:
+    for names, fn in {"eq __eq__": jnp.equal, "ne not_equal __ne__": jnp.not_equal, "lt less __lt__": jnp.less,
+                      "le less_equal __le__": jnp.less_equal, "gt greater __gt__": jnp.greater,
+                      "ge greater_equal __ge__": jnp.greater_equal}.items():
+        _comparison(names, fn)
+
+
+_install_comparisons()

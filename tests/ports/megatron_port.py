@@ -1,0 +1,69 @@
+"""Megatron-LM's tensor-parallel mappings ported: one rank's view inside ``jax.shard_map``.
+
+The port of ``megatron_script.py`` (which runs it on 4 devices) and of
+``test_port_megatron.py`` (which runs it on a mesh of one device beside
+originals calling ``torch.distributed`` on a one-rank process group), on a
+mesh axis ``"tp"``.
+"""
+
+import collective_ports
+import jax
+from collective_ports import shard_map  # noqa: F401 - the ports' shard_map, re-exported
+
+import vjpkit
+
+AXIS = "tp"
+
+
+def split_along_last_dim(x):
+    size = x.shape[-1] // jax.lax.psum(1, AXIS)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(AXIS) * size, size, axis=-1)
+
+
+def gather_along_last_dim(x):
+    return jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)
+
+
+class CopyToModelParallelRegion(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return jax.lax.psum(grad_output, AXIS)
+
+
+class ReduceFromModelParallelRegion(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return jax.lax.psum(input_, AXIS)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output
+
+
+class ScatterToModelParallelRegion(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return split_along_last_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return gather_along_last_dim(grad_output)
+
+
+class GatherFromModelParallelRegion(vjpkit.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return gather_along_last_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return split_along_last_dim(grad_output)
+
+
+def make_mesh(ranks):
+    """A mesh of ``ranks`` devices along AXIS."""
+    return collective_ports.make_mesh(ranks, AXIS)

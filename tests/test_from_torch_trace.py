@@ -1,0 +1,258 @@
+"""``vjpkit.from_torch(..., mode="trace")``: a PyTorch original run as JAX operations.
+
+Expected values are ``jax.grad`` of the same maths written in JAX, or
+torch's own numbers (the original run eagerly).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpkit
+
+torch = pytest.importorskip("torch")  # CI installs the torch extra
+from test_from_torch import TCube, TExpWithVmapRule, TMul, TSin, TTwoOutputs  # noqa: E402  (shared originals)
+from torch_functions import TorchExp  # noqa: E402
+
+X = np.array([0.3, -1.2, 2.0], np.float32)
+
+
+
+
+class TSort(torch.autograd.Function):
+    """Sorted values and their indices, marked non-differentiable; a scale kept as a ctx attribute."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        values, indices = torch.sort(x)
+        ctx.save_for_backward(indices)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(indices)
+        return values * scale, indices
+
+    @staticmethod
+    def backward(ctx, g_values, g_indices):
+        (indices,) = ctx.saved_tensors
+        g = torch.zeros_like(g_values)
+        g[indices] = g_values * ctx.scale
+        return g, None
+
+
+
+
+
+class TSeesRequiresGrad(torch.autograd.Function):
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        TSeesRequiresGrad.seen.append(x.requires_grad)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class TItem(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * x.max().item()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class TFft(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.fft.fft(x).real
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+
+def no_callback(fn, *args):
+    return "callback" not in str(jax.make_jaxpr(fn)(*args))
+
+
+# ---------------------------------------------------------------------------
+# A Function class: its methods as JAX operations, vjpkit's contract.
+
+
+def test_traced_class_gives_values_and_its_own_backward_without_a_callback():
+    Exp = vjpkit.from_torch(TorchExp, mode="trace")
+    grad = jax.grad(lambda x: Exp.apply(x).sum())
+    np.testing.assert_allclose(Exp.apply(X), np.exp(X), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(grad)(X), np.exp(X), rtol=1e-6)
+    assert no_callback(grad, X)
+
+
+def test_traced_class_sees_needs_input_grad_as_jax_differentiates():
+    Mul = vjpkit.from_torch(TMul, mode="trace")
+    TMul.needs.clear()
+    ga = jax.grad(lambda a, b: Mul.apply(a, b).sum())(X, 2 * X)
+    np.testing.assert_allclose(ga, 2 * X)
+    assert TMul.needs == [(True, False)]
+
+
+def test_traced_class_honours_mark_non_differentiable_and_attributes():
+    Sort = vjpkit.from_torch(TSort, mode="trace")
+    values, indices = Sort.apply(X, 2.0)
+    np.testing.assert_allclose(values, np.sort(X) * 2)
+    assert indices.tolist() == np.argsort(X).tolist()
+    weights = np.array([1.0, 10.0, 100.0], np.float32)
+    got = jax.grad(lambda x: (Sort.apply(x, 2.0)[0] * weights).sum())(X)
+    want = jax.grad(lambda x: (jnp.sort(x) * 2.0 * weights).sum())(X)
+    np.testing.assert_allclose(got, want)
+
+
+def test_traced_class_without_materialized_grads_gets_none_for_an_unused_output():
+    Two = vjpkit.from_torch(TTwoOutputs, mode="trace")
+    TTwoOutputs.got_none.clear()
+    np.testing.assert_allclose(jax.grad(lambda x: Two.apply(x)[0].sum())(X), [2.0, 2.0, 2.0])
+    assert TTwoOutputs.got_none == [(False, True)]
+
+
+def test_traced_class_second_order_differentiates_its_backward():
+    Exp = vjpkit.from_torch(TorchExp, mode="trace")
+    second = jax.grad(lambda x: jax.grad(lambda x: Exp.apply(x).sum())(x).sum())(X)
+    np.testing.assert_allclose(second, np.exp(X), rtol=1e-6)
+
+
+def test_traced_once_differentiable_backward_refuses_second_order():
+    Cube = vjpkit.from_torch(TCube, mode="trace")
+    np.testing.assert_allclose(jax.grad(lambda x: Cube.apply(x).sum())(X), 3 * X ** 2, rtol=1e-6)
+    with pytest.raises(Exception, match="once_differentiable"):
+        jax.grad(lambda x: jax.grad(lambda x: Cube.apply(x).sum())(x).sum())(X)
+
+
+def test_traced_class_jvp_staticmethod_gives_forward_mode():
+    Sin = vjpkit.from_torch(TSin, mode="trace")
+    _, tangent = jax.jvp(Sin.apply, (X,), (np.ones_like(X),))
+    np.testing.assert_allclose(tangent, np.cos(X), rtol=1e-6)
+
+
+def test_traced_class_under_vmap_of_grad_matches_per_example_gradients():
+    Exp = vjpkit.from_torch(TorchExp, mode="trace")
+    xs = np.stack([X, 2 * X])
+    got = jax.jit(jax.vmap(jax.grad(lambda x: Exp.apply(x).sum())))(xs)
+    np.testing.assert_allclose(got, np.exp(xs), rtol=1e-6)
+
+
+def test_traced_forward_sees_requires_grad_as_needs_input_grad():
+    Twice = vjpkit.from_torch(TSeesRequiresGrad, mode="trace")
+    TSeesRequiresGrad.seen.clear()
+    Twice.apply(X)
+    jax.grad(lambda x: Twice.apply(x).sum())(X)
+    assert TSeesRequiresGrad.seen == [False, True]
+
+
+def test_trace_mode_refuses_a_class_with_a_vmap_rule_and_auto_uses_callbacks():
+    with pytest.raises(NotImplementedError, match=r"TExpWithVmapRule.vmap, which is torch's batching rule"):
+        vjpkit.from_torch(TExpWithVmapRule, mode="trace")
+    auto = vjpkit.from_torch(TExpWithVmapRule, mode="auto")
+    np.testing.assert_allclose(jax.vmap(auto.apply)(np.stack([X, X])), np.exp(np.stack([X, X])), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# A callable: traced, differentiated by JAX.
+
+
+def test_traced_callable_equals_the_same_maths_in_jax_with_its_gradient():
+    soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1), mode="trace")
+    np.testing.assert_allclose(soft(X, 2.0), jax.nn.softmax(X / 2.0), rtol=1e-6)
+    got = jax.jit(jax.grad(lambda x: soft(x, 2.0)[0]))(X)
+    np.testing.assert_allclose(got, jax.grad(lambda x: jax.nn.softmax(x / 2.0)[0])(X), rtol=1e-6)
+    assert no_callback(jax.grad(lambda x: soft(x, 2.0)[0]), X)
+
+
+def test_traced_callable_reductions_take_torchs_dim_and_keepdim():
+    fn = vjpkit.from_torch(lambda x: x.sum(1, keepdim=True) - x.amax(dim=0) + x.mean(), mode="trace")
+    x = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_allclose(fn(x), x.sum(1, keepdims=True) - x.max(0) + x.mean())
+
+
+def test_traced_callable_keeps_torchs_type_promotion():
+    fn = vjpkit.from_torch(lambda x, n: (n * 2.5, x * torch.tensor(2.0, dtype=torch.float64), (x > 0).sum(),
+                                         x.to(torch.int32) / 2), mode="trace")
+    scaled, by_constant, count, halves = fn(X, np.array([1, 2], np.int32))
+    assert scaled.dtype == jnp.float32  # int tensor * Python float: the default float dtype
+    assert by_constant.dtype == jnp.float32  # a 0-dim tensor does not promote a dimensioned one
+    assert count == 2 and jnp.issubdtype(count.dtype, jnp.integer)
+    np.testing.assert_allclose(halves, np.array([0.0, -0.5, 1.0]))  # int / int is true division
+
+
+def test_traced_callable_in_place_ops_on_a_local_tensor_are_functional_updates():
+    def clipped(x):
+        y = x.clone()
+        y.mul_(2).clamp_(max=1.0)
+        y[x < 0] = 0.0
+        return y
+
+    fn = vjpkit.from_torch(clipped, mode="trace")
+    np.testing.assert_allclose(fn(X), [0.6, 0.0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: fn(x).sum())(X), [2.0, 0.0, 0.0])
+
+
+def test_in_place_write_into_a_view_names_the_op():
+    def through_view(x):
+        y = x.clone()
+        y.view(-1).add_(1)
+        return y
+
+    with pytest.raises(NotImplementedError, match=r"torch.Tensor.add_, which writes into a view"):
+        vjpkit.from_torch(through_view, mode="trace")(X)
+
+
+def test_traced_callable_calling_a_function_names_it():
+    fn = vjpkit.from_torch(lambda x: TorchExp.apply(x) * 2, mode="trace")
+    with pytest.raises(NotImplementedError, match=r"lambda calls TorchExp.apply"):
+        fn(X)
+
+
+# ---------------------------------------------------------------------------
+# What does not trace: an error naming the op; auto falls back to callbacks.
+
+
+def test_reading_a_value_names_the_op():
+    with pytest.raises(NotImplementedError, match=r"TItem.forward calls torch.Tensor.item, which needs the "
+                                                  r"tensor's value"):
+        vjpkit.from_torch(TItem, mode="trace").apply(X)
+
+
+def test_an_unmapped_op_is_named():
+    with pytest.raises(NotImplementedError, match=r"TFft.forward calls torch.fft.fft, which has no JAX rule"):
+        vjpkit.from_torch(TFft, mode="trace").apply(X)
+
+
+def test_a_random_draw_is_named_not_frozen_into_the_program():
+    noisy = vjpkit.from_torch(lambda x: x + torch.randn(3), mode="trace")
+    with pytest.raises(NotImplementedError, match=r"lambda calls torch.randn, which draws random numbers"):
+        noisy(X)
+
+
+def test_auto_falls_back_to_callbacks_for_an_untraceable_original():
+    auto = vjpkit.from_torch(TItem, mode="auto")
+    assert not no_callback(auto.apply, X)
+    np.testing.assert_allclose(auto.apply(X), X * X.max(), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: auto(x).sum())(X), np.ones_like(X))
+
+
+def test_auto_traces_a_traceable_original():
+    auto = vjpkit.from_torch(TorchExp, mode="auto")
+    assert no_callback(jax.grad(lambda x: auto.apply(x).sum()), X)
+
+
+def test_auto_callable_falls_back_when_it_reads_a_value():
+    auto = vjpkit.from_torch(lambda x: x * float(x.sum()), mode="auto")
+    np.testing.assert_allclose(auto(X), X * X.sum(), rtol=1e-6)
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match=r"mode must be one of 'callback', 'trace', 'auto', got 'jit'"):
+        vjpkit.from_torch(TorchExp, mode="jit")
