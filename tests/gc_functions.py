@@ -1,21 +1,25 @@
 """Functions the gradcheck, testing and CLI tests check (importable as ``gc_functions``)."""
 
 import numpy as np
-from functions import Exp  # noqa: F401  (re-exported: the gradcheck, testing and CLI tests use gc_functions.Exp)
+from functions import (
+    Exp,  # noqa: F401  (re-exported: the gradcheck, testing and CLI tests use gc_functions.Exp)
+    Linear,
+)
 
 import vjpkit
 
 
 class LinearFunction(vjpkit.Function):
-    """The PyTorch tutorial's LinearFunction, ported."""
+    """The PyTorch tutorial's LinearFunction, ported as the tutorial writes it (with setup_context)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias=None):
-        ctx.save_for_backward(input, weight, bias)
+    def forward(input, weight, bias=None):
         output = input @ weight.T
-        if bias is not None:
-            output = output + bias
-        return output
+        return output if bias is None else output + bias
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -30,13 +34,8 @@ class LinearFunction(vjpkit.Function):
         return grad_input, grad_weight, grad_bias
 
 
-class ScaledLinearFunction(vjpkit.Function):
-    """LinearFunction whose weight gradient is 1.1 times too large."""
-
-    @staticmethod
-    def forward(ctx, input, weight):
-        ctx.save_for_backward(input, weight)
-        return input @ weight.T
+class ScaledLinearFunction(Linear):
+    """LinearFunction without bias whose weight gradient is 1.1 times too large (forward is Linear's)."""
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -8,15 +8,17 @@ plain `jnp`.
 import inspect
 
 import chex
+import functions
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import MulByScalar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vjpkit
-from vjpkit._args import Signature
+from vjpkit._args import Signature  # internals on purpose: the binder is checked against inspect directly
 
 X = jnp.array([0.5, -1.0, 2.0])
 W = jnp.array([1.5, 2.0, -0.5])
@@ -30,16 +32,11 @@ ZEROS = jnp.zeros(3)
 def test_python_scalar_argument_is_static():
     seen = []
 
-    class MulConstant(vjpkit.Function):
+    class MulConstant(functions.Scale):  # records what forward sees of c
         @staticmethod
         def forward(ctx, x, c):
             seen.append(type(c))
-            ctx.c = c
-            return x * c
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * ctx.c, None
+            return functions.Scale.forward(ctx, x, c)
 
     chex.assert_trees_all_close(MulConstant.apply(X, 3.0), 3.0 * X)
     chex.assert_trees_all_close(jax.grad(lambda x: MulConstant.apply(x, 3.0).sum())(X), jnp.full(3, 3.0))
@@ -109,15 +106,11 @@ def test_callable_argument_is_static():
 def test_static_arguments_of_equal_value_but_different_type_are_distinct_programs():
     seen = []
 
-    class Scale(vjpkit.Function):
+    class Scale(functions.Scale):  # records what forward sees of c
         @staticmethod
         def forward(ctx, x, c):
             seen.append(type(c))
-            return x * c
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, None
+            return functions.Scale.forward(ctx, x, c)
 
     for c in (1, 1.0, True):
         Scale.apply(X, c)
@@ -126,15 +119,7 @@ def test_static_arguments_of_equal_value_but_different_type_are_distinct_program
 
 
 def test_static_argument_of_the_same_value_reuses_the_program():
-    class Scale(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, c):
-            return x * c
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, None
-
+    Scale = functions.fresh(functions.Scale)  # a class of its own: the test counts its programs
     Scale.apply(X, 2.0)
     Scale.apply(X + 1, 2.0)
     Scale.apply(X, 3.0)
@@ -143,18 +128,7 @@ def test_static_argument_of_the_same_value_reuses_the_program():
 
 
 def test_traced_scalar_via_jnp_asarray_gets_a_gradient():
-    class Scale(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, c):
-            ctx.save_for_backward(x, c)
-            return x * c
-
-        @staticmethod
-        def backward(ctx, g):
-            x, c = ctx.saved_tensors
-            return g * c, (g * x).sum()
-
-    gc = jax.grad(lambda c: Scale.apply(X, c).sum())(jnp.asarray(2.0))
+    gc = jax.grad(lambda c: MulByScalar.apply(X, c).sum())(jnp.asarray(2.0))
     chex.assert_trees_all_close(gc, X.sum())
 
 
@@ -453,13 +427,7 @@ def test_one_tuple_parameter_accepts_a_one_element_tuple_of_its_gradient():
 
 
 def test_integer_input_gets_no_gradient_and_its_slot_is_dropped():
-    class Gather(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, idx):
-            ctx.save_for_backward(idx)
-            ctx.n = x.shape[0]
-            return x[idx]
-
+    class Gather(functions.Gather):  # its forward
         @staticmethod
         def backward(ctx, g):
             (idx,) = ctx.saved_tensors
@@ -502,11 +470,7 @@ def test_integer_and_bool_outputs_are_non_differentiable():
 
 
 def test_trailing_extra_none_gradients_are_allowed():
-    class Double(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
+    class Double(functions.Double):
         @staticmethod
         def backward(ctx, g):
             return 2 * g, None, None
@@ -515,11 +479,7 @@ def test_trailing_extra_none_gradients_are_allowed():
 
 
 def test_none_gradient_means_zero():
-    class Mul(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            return x * w
-
+    class Mul(functions.Mul):
         @staticmethod
         def backward(ctx, g):
             return None, None
@@ -531,17 +491,11 @@ def test_none_gradient_means_zero():
 def test_numpy_array_inputs_are_traced():
     seen = []
 
-    class Mul(vjpkit.Function):
+    class Mul(functions.Mul):  # records whether w arrived as an array
         @staticmethod
         def forward(ctx, x, w):
             seen.append(isinstance(w, jax.Array))
-            ctx.save_for_backward(x, w)
-            return x * w
-
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g * w, g * x
+            return functions.Mul.forward(ctx, x, w)
 
     x = np.array([0.5, -1.0, 2.0], dtype=np.float32)
     w = np.array([1.5, 2.0, -0.5], dtype=np.float32)
@@ -629,11 +583,7 @@ def test_gradient_of_another_float_dtype_is_cast_to_the_input_dtype():
 
 
 def test_real_gradient_for_a_complex_input_is_cast():
-    class Scale(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, z):
-            return z * 2
-
+    class Scale(functions.Double):  # 2 * z
         @staticmethod
         def backward(ctx, g):
             return jnp.real(g) * 2  # float32 for a complex64 input

@@ -9,34 +9,27 @@ import threading
 import weakref
 
 import chex
+import functions
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import vjpkit
-from vjpkit._program import Program
+from vjpkit._program import Program  # internals on purpose: counts the live programs, which no public API lists
 
 X = jnp.array([0.5, -1.0, 2.0])
 
 
 def counting_exp(calls, **options):
-    """``exp(x) * c``; appends to ``calls`` each time forward runs."""
+    """``exp(x) * c`` (ScaledExp), a class of its own; appends to ``calls`` each time forward runs."""
 
-    @vjpkit.function(**options)
-    class Exp:
+    class Exp(functions.ScaledExp):
         @staticmethod
         def forward(ctx, x, c=1.0):
             calls.append(x)
-            y = jnp.exp(x) * c
-            ctx.save_for_backward(y)
-            return y
+            return functions.ScaledExp.forward(ctx, x, c)
 
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return g * y, None
-
-    return Exp
+    return functions.fresh(Exp, **options)
 
 
 def test_apply_is_jit_compiled_by_default():
@@ -185,19 +178,14 @@ def test_closed_over_concrete_array_inside_an_outer_jit_inlines_after_eager_call
 def test_jit_false_option_runs_forward_on_concrete_arrays(capsys):
     seen = []
 
-    @vjpkit.function(jit=False)
-    class Debug:
+    class Debug(functions.Square):
+        jit = False
+
         @staticmethod
         def forward(ctx, x):
             seen.append(float(x[0]))  # would fail on a tracer
             print("forward sees", np.asarray(x))
-            ctx.save_for_backward(x)
-            return x * x
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 2 * x * g
+            return functions.Square.forward(ctx, x)
 
     chex.assert_trees_all_close(Debug.apply(X), X * X)
     Debug.apply(X + 1)
@@ -256,21 +244,15 @@ def _alive_programs_of(cls) -> int:
 
 
 def _scale(calls, **options):
-    """``c * x`` with ``c`` an array (traced) or a Python float (static); appends to ``calls`` per trace."""
+    """``c * x`` (Scale) with ``c`` an array (traced) or a Python float (static); appends to ``calls`` per trace."""
 
-    @vjpkit.function(**options)
-    class Scale:
+    class Scale(functions.Scale):
         @staticmethod
         def forward(ctx, x, c):
             calls.append(c)
-            ctx.c = c
-            return c * x
+            return functions.Scale.forward(ctx, x, c)
 
-        @staticmethod
-        def backward(ctx, g):
-            return ctx.c * g, None
-
-    return Scale
+    return functions.fresh(Scale, **options)
 
 
 def test_dropped_programs_are_freed_whatever_way_they_were_called():

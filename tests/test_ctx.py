@@ -13,6 +13,7 @@ in plain `jnp`.
 import re
 
 import chex
+import functions
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,17 +57,12 @@ def test_saved_tensors_keeps_none_in_place():
 
 
 def test_save_for_backward_last_call_wins():
-    class Square(vjpkit.Function):
+    class Square(functions.Square):  # its backward reads one saved x
         @staticmethod
         def forward(ctx, x):
             ctx.save_for_backward(jnp.zeros_like(x), jnp.zeros_like(x))
             ctx.save_for_backward(x)
             return x * x
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 2 * x * g
 
     chex.assert_trees_all_close(jax.grad(lambda x: Square.apply(x).sum())(X), 2 * X)
 
@@ -74,12 +70,7 @@ def test_save_for_backward_last_call_wins():
 def _square_reading_saved_variables():
     """A fresh class each time: the warning comes while JAX traces, once per class and signature."""
 
-    class Square(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x
-
+    class Square(functions.Square):  # its forward saves x
         @staticmethod
         def backward(ctx, g):
             (x,) = ctx.saved_variables
@@ -107,11 +98,7 @@ def test_saved_variables_warning_points_at_the_users_line():
 def test_saved_tensors_is_empty_when_nothing_was_saved():
     seen = []
 
-    class Double(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
+    class Double(functions.Double):  # its forward saves nothing
         @staticmethod
         def backward(ctx, g):
             seen.append(ctx.saved_tensors)
@@ -224,18 +211,11 @@ def test_needs_input_grad_is_false_for_a_static_input_passed_by_keyword():
 def test_needs_input_grad_is_false_for_an_integer_input():
     seen = []
 
-    class Gather(vjpkit.Function):
+    class Gather(functions.Gather):  # records what forward sees
         @staticmethod
         def forward(ctx, x, idx):
             seen.append(ctx.needs_input_grad)
-            ctx.save_for_backward(idx)
-            ctx.n = x.shape[0]
-            return x[idx]
-
-        @staticmethod
-        def backward(ctx, g):
-            (idx,) = ctx.saved_tensors
-            return jnp.zeros(ctx.n, g.dtype).at[idx].add(g), None
+            return functions.Gather.forward(ctx, x, idx)
 
     idx = jnp.array([2, 0, 2])
     # allow_int asks JAX to "differentiate" the integer input too.

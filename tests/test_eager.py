@@ -9,6 +9,7 @@ same math in plain ``jnp``.
 import jax
 import jax.numpy as jnp
 import pytest
+from functions import MulByScalar, MulByScalarWithJvp, fresh
 
 import vjpkit
 
@@ -16,27 +17,7 @@ X = jnp.array([0.5, -1.0, 2.0])
 
 
 def _scale(jit: bool, with_jvp: bool = False):
-    class Scale(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, c):
-            ctx.save_for_backward(x, c)
-            ctx.save_for_forward(x, c)
-            return x * c
-
-        @staticmethod
-        def backward(ctx, g):
-            x, c = ctx.saved_tensors
-            return g * c, (g * x).sum()
-
-    Scale.jit = jit
-    if with_jvp:
-
-        def jvp(ctx, tx, tc):
-            x, c = ctx.saved_tensors
-            return tx * c + x * tc
-
-        Scale.jvp = staticmethod(jvp)
-    return vjpkit.function(Scale)
+    return fresh(MulByScalarWithJvp if with_jvp else MulByScalar, "Scale", jit=jit)
 
 
 def _loss(f):

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Double, Mul, Sin, fresh
 
 import vjpkit
-from vjpkit import _jax_internals
+from vjpkit import _jax_internals  # a JAX-version flag (which message this JAX gives): no public API says it
 
 X = jnp.array([0.5, -1.0, 2.0])
 W = jnp.array([1.5, 2.0, -0.5])
@@ -64,11 +65,7 @@ def test_list_of_gradients_counts_as_one_value():
 
 
 def test_too_many_gradients_for_a_single_input_raises():
-    class Bad(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
+    class Bad(Double):
         @staticmethod
         def backward(ctx, g):
             return 2 * g, g
@@ -207,15 +204,11 @@ def test_returning_a_dirty_input_unchanged_raises():
 def test_ctx_used_after_the_call_raises():
     kept = []
 
-    class Leaky(vjpkit.Function):
+    class Leaky(Double):
         @staticmethod
         def forward(ctx, x):
             kept.append(ctx)
-            return 2 * x
-
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * g
+            return Double.forward(ctx, x)
 
     Leaky.apply(X)
     (ctx,) = kept
@@ -229,11 +222,7 @@ def test_ctx_used_after_the_call_raises():
 
 
 def test_missing_ctx_attribute_in_backward_raises_naming_it():
-    class Bad(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
+    class Bad(Double):
         @staticmethod
         def backward(ctx, g):
             return g * ctx.scale
@@ -268,18 +257,7 @@ def test_jvp_of_a_function_with_only_forward_raises():
 
 
 def _reverse_only():
-    class ReverseOnly(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return jnp.sin(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return g * jnp.cos(x)
-
-    return ReverseOnly
+    return fresh(Sin, "ReverseOnly")
 
 
 NO_JVP = (
@@ -363,37 +341,24 @@ def test_unknown_decorator_option_raises():
                 return x
 
 
-def _mul():
-    class Mul(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            return x * w
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, g
-
-    return Mul
-
-
 def test_apply_with_too_many_arguments_raises():
     with pytest.raises(TypeError, match=r"Mul\.apply takes 2 positional arguments \(x, w\) but 3 were given"):
-        _mul().apply(X, W, X)
+        Mul.apply(X, W, X)
 
 
 def test_apply_with_an_unexpected_keyword_raises():
     with pytest.raises(TypeError, match=r"Mul\.apply got an unexpected keyword argument 'v'"):
-        _mul().apply(X, v=W)
+        Mul.apply(X, v=W)
 
 
 def test_apply_with_a_missing_argument_raises():
     with pytest.raises(TypeError, match=r"Mul\.apply missing required argument 'w'"):
-        _mul().apply(X)
+        Mul.apply(X)
 
 
 def test_apply_with_an_argument_given_twice_raises():
     with pytest.raises(TypeError, match=r"Mul\.apply got multiple values for argument 'x'"):
-        _mul().apply(X, W, x=X)
+        Mul.apply(X, W, x=X)
 
 
 def test_forward_without_ctx_parameter_raises_at_class_creation():
@@ -479,15 +444,6 @@ def test_decorating_an_abc_subclass_makes_a_function():
 
 def test_apply_on_an_instance_works_with_a_deprecation_warning():
     # PyTorch's legacy style: MyFunction().apply(x), which PyTorch only warns about.
-    class Double(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * g
-
     message = "Double should not be instantiated. Methods on Functions are all static, so you should invoke them"
     with pytest.warns(DeprecationWarning, match=re.escape(message)):
         double = Double()

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import ExpWithJvp, SinJvpOnly, SinWithJvp
+from functions import Double, ExpWithJvp, SinJvpOnly, SinWithJvp, fresh
 
 import vjpkit
 
@@ -120,13 +120,7 @@ def test_both_rules_match_autodiff_under(case, transform):
 def counting_sin():
     calls = collections.Counter()
 
-    class CountingSin(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            ctx.save_for_forward(x)
-            return jnp.sin(x)
-
+    class CountingSin(SinWithJvp):  # its forward
         @staticmethod
         def jvp(ctx, t):
             calls["jvp"] += 1
@@ -386,14 +380,7 @@ def test_jvp_returning_a_complex_tangent_for_a_real_output_raises():
 
 
 def test_backward_only_function_still_raises_naming_the_class_in_forward_mode():
-    class OnlyBackward(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * g
+    OnlyBackward = fresh(Double, "OnlyBackward")
 
     with pytest.raises(TypeError, match=r"OnlyBackward has no forward-mode derivative.*define|OnlyBackward has no "
                                         r"forward-mode derivative.*jvp\(ctx, \*tangents\)"):

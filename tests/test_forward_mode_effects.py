@@ -11,8 +11,11 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
+from functions import SinJvpOnly, SinWithJvp
 
 import vjpkit
+
+# JAX-version flags (which behaviour this JAX has): no public API says it.
 from vjpkit._jax_internals import JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS, LINEARIZE_IS_TOLD_FROM_VJP
 
 X = jnp.array([0.3, -1.2, 2.0])
@@ -25,13 +28,7 @@ def recording_sin(events, ordered):
     def record(label):
         return lambda value: events.append((label, value.tolist()))
 
-    class RecordingSin(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            ctx.save_for_forward(x)
-            return jnp.sin(x)
-
+    class RecordingSin(SinWithJvp):  # its forward
         @staticmethod
         def jvp(ctx, t):
             (x,) = ctx.saved_tensors
@@ -107,32 +104,21 @@ def test_ordered_callback_in_backward_runs_in_program_order(transform):
 def test_ordered_callback_in_jvp_of_a_jvp_only_function_runs_in_reverse_mode_through_its_transpose():
     events = []
 
-    class SinJvpOnly(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_forward(x)
-            return jnp.sin(x)
-
+    class RecordingSinJvpOnly(SinJvpOnly):  # its forward
         @staticmethod
         def jvp(ctx, t):
             (x,) = ctx.saved_tensors
             jax.debug.callback(lambda: events.append("jvp"), ordered=True)
             return jnp.cos(x) * t
 
-    got = jax.jit(jax.jvp, static_argnums=0)(SinJvpOnly.apply, (X,), (T,))
+    got = jax.jit(jax.jvp, static_argnums=0)(RecordingSinJvpOnly.apply, (X,), (T,))
     jax.effects_barrier()
     chex.assert_trees_all_close(got, jax.jvp(jnp.sin, (X,), (T,)), rtol=1e-6)
     assert events == ["jvp"]
 
 
 def test_ordered_debug_print_in_jvp_and_backward_prints_in_program_order(capsys):
-    class PrintingSin(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            ctx.save_for_forward(x)
-            return jnp.sin(x)
-
+    class PrintingSin(SinWithJvp):  # its forward
         @staticmethod
         def jvp(ctx, t):
             (x,) = ctx.saved_tensors

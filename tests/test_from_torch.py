@@ -10,34 +10,26 @@ import re
 import subprocess
 import sys
 
+import functions
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
+
+# jax.enable_x64 or its older home. Not the x64 fixture:
+# A scope inside one test: float32 with x64 off, float64 with it on.
+from vjpkit._jax_internals import enable_x64
 
 torch = pytest.importorskip("torch")  # CI installs the torch extra
 from torch.autograd.function import once_differentiable  # noqa: E402
+from torch_functions import TorchExp  # noqa: E402
 
 X = np.array([0.3, -1.2, 2.0])
 
 
-class TExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = x.exp()
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y
-
-
-Exp = vjpkit.from_torch(TExp)
+Exp = vjpkit.from_torch(TorchExp)
 
 
 class TScale(torch.autograd.Function):
@@ -191,9 +183,8 @@ class TFailingBackward(torch.autograd.Function):
         raise ValueError("this backward always fails")
 
 
-def x64_grad(fn, *args, **kwargs):
-    with enable_x64(True):
-        return jax.jit(jax.grad(fn, **kwargs))(*[jnp.asarray(a) for a in args])
+def jit_grad(fn, *args, **kwargs):
+    return jax.jit(jax.grad(fn, **kwargs))(*[jnp.asarray(a) for a in args])
 
 
 # ---------------------------------------------------------------------------
@@ -208,13 +199,12 @@ def test_result_is_callable_as_well_as_apply():
     np.testing.assert_allclose(np.asarray(Exp(jnp.asarray(X, jnp.float32))), np.exp(X), rtol=1e-6)
 
 
-def test_jit_grad_uses_the_originals_backward():
-    np.testing.assert_allclose(x64_grad(lambda x: Exp.apply(x).sum(), X), np.exp(X), rtol=1e-12)
+def test_jit_grad_uses_the_originals_backward(x64):
+    np.testing.assert_allclose(jit_grad(lambda x: Exp.apply(x).sum(), X), np.exp(X), rtol=1e-12)
 
 
-def test_second_order_by_torchs_double_backward():
-    with enable_x64(True):
-        got = jax.grad(jax.grad(lambda x: Exp.apply(x)))(jnp.asarray(1.5))
+def test_second_order_by_torchs_double_backward(x64):
+    got = jax.grad(jax.grad(lambda x: Exp.apply(x)))(jnp.asarray(1.5))
     np.testing.assert_allclose(got, np.exp(1.5), rtol=1e-12)
 
 
@@ -228,29 +218,28 @@ def test_second_order_in_float32_where_the_output_feeds_the_cotangent():
     np.testing.assert_allclose(got, -np.sin(y) * y * y + np.cos(y) * y, rtol=1e-5)
 
 
-def test_vmap_without_a_rule_loops_and_matches_per_example_gradients():
+def test_vmap_without_a_rule_loops_and_matches_per_example_gradients(x64):
     xs = np.stack([X, 2 * X])
-    with enable_x64(True):
-        per_example = jax.vmap(jax.grad(lambda x: jnp.sum(jnp.sin(Exp.apply(x)))))(jnp.asarray(xs))
+    per_example = jax.vmap(jax.grad(lambda x: jnp.sum(jnp.sin(Exp.apply(x)))))(jnp.asarray(xs))
     np.testing.assert_allclose(per_example, np.cos(np.exp(xs)) * np.exp(xs), rtol=1e-12)
 
 
-def test_scan_body():
+def test_scan_body(x64):
     def total(xs):
         return jax.lax.scan(lambda c, x: (c + Exp.apply(x).sum(), None), 0.0, xs)[0]
 
     xs = np.stack([X, -X])
-    np.testing.assert_allclose(x64_grad(total, xs), np.exp(xs), rtol=1e-12)
+    np.testing.assert_allclose(jit_grad(total, xs), np.exp(xs), rtol=1e-12)
 
 
-def test_checkpoint():
-    np.testing.assert_allclose(x64_grad(lambda x: jax.checkpoint(lambda y: Exp.apply(y).sum())(x), X),
+def test_checkpoint(x64):
+    np.testing.assert_allclose(jit_grad(lambda x: jax.checkpoint(lambda y: Exp.apply(y).sum())(x), X),
                                np.exp(X), rtol=1e-12)
 
 
 def test_float32_stays_float32_and_float64_stays_float64():
     assert Exp.apply(jnp.ones(2, jnp.float32)).dtype == jnp.float32
-    with enable_x64(True):
+    with enable_x64(True):  # float32 where x64 is off, float64 where it is on: one test of both
         assert Exp.apply(jnp.ones(2, jnp.float64)).dtype == jnp.float64
         assert jax.grad(lambda x: Exp.apply(x).sum())(jnp.ones(2, jnp.float64)).dtype == jnp.float64
 
@@ -259,23 +248,23 @@ def test_float32_stays_float32_and_float64_stays_float64():
 # Arguments: statics, keywords, needs_input_grad.
 
 
-def test_python_scalars_and_keywords_reach_torch_as_static_values():
+def test_python_scalars_and_keywords_reach_torch_as_static_values(x64):
     Scale = vjpkit.from_torch(TScale)
     TScale.seen.clear()
-    got = x64_grad(lambda x: Scale.apply(x, 2.5, power=3).sum(), X)
+    got = jit_grad(lambda x: Scale.apply(x, 2.5, power=3).sum(), X)
     np.testing.assert_allclose(got, 2.5 * 3 * X ** 2, rtol=1e-12)
     assert TScale.seen == [(float, 3)]
 
 
-def test_needs_input_grad_is_what_jax_differentiates():
+def test_needs_input_grad_is_what_jax_differentiates(x64):
     Mul = vjpkit.from_torch(TMul)
     TMul.needs.clear()
-    got = x64_grad(lambda a, b: Mul.apply(a, b).sum(), X, 2 * X, argnums=1)
+    got = jit_grad(lambda a, b: Mul.apply(a, b).sum(), X, 2 * X, argnums=1)
     np.testing.assert_allclose(got, X, rtol=1e-12)
     assert TMul.needs == [(False, True)]
 
 
-def test_integer_inputs_are_not_differentiated():
+def test_integer_inputs_are_not_differentiated(x64):
     class TTake(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, index):
@@ -290,7 +279,7 @@ def test_integer_inputs_are_not_differentiated():
 
     Take = vjpkit.from_torch(TTake)
     index = np.array([2, 0, 2])
-    got = x64_grad(lambda x: Take.apply(x, jnp.asarray(index)).sum(), X)
+    got = jit_grad(lambda x: Take.apply(x, jnp.asarray(index)).sum(), X)
     np.testing.assert_allclose(got, [1.0, 0.0, 2.0])
 
 
@@ -298,26 +287,25 @@ def test_integer_inputs_are_not_differentiated():
 # The ctx flags, honoured by torch itself.
 
 
-def test_mark_non_differentiable_output_is_an_integer_output_without_gradient():
+def test_mark_non_differentiable_output_is_an_integer_output_without_gradient(x64):
     Sort = vjpkit.from_torch(TSort)
-    with enable_x64(True):
-        values, indices = Sort.apply(jnp.asarray(X))
-        got = jax.grad(lambda x: (Sort.apply(x)[0] * jnp.arange(3.0)).sum())(jnp.asarray(X))
+    values, indices = Sort.apply(jnp.asarray(X))
+    got = jax.grad(lambda x: (Sort.apply(x)[0] * jnp.arange(3.0)).sum())(jnp.asarray(X))
     np.testing.assert_allclose(values, np.sort(X))
     assert indices.tolist() == np.argsort(X).tolist()
     np.testing.assert_allclose(got, [1.0, 0.0, 2.0])  # each element's rank in the sorted order
 
 
-def test_materialize_grads_off_gives_none_for_an_unused_output():
+def test_materialize_grads_off_gives_none_for_an_unused_output(x64):
     Two = vjpkit.from_torch(TTwoOutputs)
     TTwoOutputs.got_none.clear()
-    np.testing.assert_allclose(x64_grad(lambda x: Two.apply(x)[0].sum(), X), 2 * np.ones(3))
+    np.testing.assert_allclose(jit_grad(lambda x: Two.apply(x)[0].sum(), X), 2 * np.ones(3))
     assert TTwoOutputs.got_none == [(False, True)]
 
 
-def test_once_differentiable_first_order_works_second_order_raises_naming_the_class():
+def test_once_differentiable_first_order_works_second_order_raises_naming_the_class(x64):
     Cube = vjpkit.from_torch(TCube)
-    np.testing.assert_allclose(x64_grad(lambda x: Cube.apply(x).sum(), X), 3 * X ** 2, rtol=1e-12)
+    np.testing.assert_allclose(jit_grad(lambda x: Cube.apply(x).sum(), X), 3 * X ** 2, rtol=1e-12)
     with pytest.raises(RuntimeError, match=r"TCube\.backward is decorated with @once_differentiable"):
         jax.grad(lambda x: jax.grad(lambda y: Cube.apply(y).sum())(x).sum())(jnp.asarray(X, jnp.float32))
 
@@ -326,17 +314,16 @@ def test_once_differentiable_first_order_works_second_order_raises_naming_the_cl
 # Forward mode and batching rules.
 
 
-def test_jvp_staticmethod_gives_forward_mode():
+def test_jvp_staticmethod_gives_forward_mode(x64):
     Sin = vjpkit.from_torch(TSin)
     TSin.jvp_calls = 0
-    with enable_x64(True):
-        _, tangent = jax.jvp(Sin.apply, (jnp.asarray(X),), (jnp.ones(3),))
+    _, tangent = jax.jvp(Sin.apply, (jnp.asarray(X),), (jnp.ones(3),))
     np.testing.assert_allclose(tangent, np.cos(X), rtol=1e-12)
     assert TSin.jvp_calls == 1
 
 
 def test_without_jvp_forward_mode_raises_naming_the_class():
-    with pytest.raises(TypeError, match=r"TExp has no forward-mode derivative \(jax\.jvp, jax\.jacfwd, "
+    with pytest.raises(TypeError, match=r"TorchExp has no forward-mode derivative \(jax\.jvp, jax\.jacfwd, "
                                         r"jax\.linearize\): it defines backward but no jvp\. Add a jvp"):
         jax.jvp(Exp.apply, (jnp.ones(3),), (jnp.ones(3),))
 
@@ -377,10 +364,9 @@ def test_generate_vmap_rule_batches_in_one_torch_call():
     assert calls == [(3,)]  # one call for the 4 examples: torch.func.vmap shows forward one example's shape
 
 
-def test_class_with_jvp_gives_hessian_by_forward_over_reverse():
+def test_class_with_jvp_gives_hessian_by_forward_over_reverse(x64):
     Sin = vjpkit.from_torch(TSin)
-    with enable_x64(True):
-        got = jax.hessian(lambda x: Sin.apply(x).sum())(jnp.asarray(X))
+    got = jax.hessian(lambda x: Sin.apply(x).sum())(jnp.asarray(X))
     np.testing.assert_allclose(got, np.diag(-np.sin(X)), rtol=1e-12, atol=1e-15)
 
 
@@ -388,22 +374,20 @@ def test_class_with_jvp_gives_hessian_by_forward_over_reverse():
 # A torch callable: gradients from torch autograd.
 
 
-def test_callable_forward_and_gradient_by_torch_autograd():
+def test_callable_forward_and_gradient_by_torch_autograd(x64):
     soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1))
-    with enable_x64(True):
-        x = jnp.asarray(X)
-        np.testing.assert_allclose(soft(x, 2.0), jax.nn.softmax(x / 2.0), rtol=1e-12)
-        got = jax.jit(jax.grad(lambda x: soft(x, 2.0)[0]))(x)
-        np.testing.assert_allclose(got, jax.grad(lambda x: jax.nn.softmax(x / 2.0)[0])(x), rtol=1e-12)
+    x = jnp.asarray(X)
+    np.testing.assert_allclose(soft(x, 2.0), jax.nn.softmax(x / 2.0), rtol=1e-12)
+    got = jax.jit(jax.grad(lambda x: soft(x, 2.0)[0]))(x)
+    np.testing.assert_allclose(got, jax.grad(lambda x: jax.nn.softmax(x / 2.0)[0])(x), rtol=1e-12)
 
 
-def test_callable_hessian_by_torch_forward_over_reverse():
+def test_callable_hessian_by_torch_forward_over_reverse(x64):
     def softplus_sum(x):
         return torch.nn.functional.softplus(x).sum()
 
     fn = vjpkit.from_torch(softplus_sum)
-    with enable_x64(True):
-        got = jax.hessian(fn)(jnp.asarray(X))
+    got = jax.hessian(fn)(jnp.asarray(X))
     sig = 1 / (1 + np.exp(-X))
     np.testing.assert_allclose(got, np.diag(sig * (1 - sig)), rtol=1e-12, atol=1e-15)
 
@@ -468,9 +452,9 @@ def test_copy_inputs_runs_mark_dirty_on_copies():
 
 
 def test_vjpkit_function_on_a_torch_class_points_to_from_torch():
-    with pytest.raises(TypeError, match=r"vjpkit\.function\(TExp\): TExp is a torch\.autograd\.Function\. "
-                                        r"To run it unchanged .* use vjpkit\.from_torch\(TExp\)"):
-        vjpkit.function(TExp)
+    with pytest.raises(TypeError, match=r"vjpkit\.function\(TorchExp\): TorchExp is a torch\.autograd\.Function\. "
+                                        r"To run it unchanged .* use vjpkit\.from_torch\(TorchExp\)"):
+        vjpkit.function(TorchExp)
 
 
 def test_from_torch_of_something_else_raises():
@@ -522,39 +506,21 @@ def test_importing_vjpkit_does_not_import_torch():
 
 
 def test_port_matches_original_reports_zero_for_a_right_port():
-    class PortExp(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = jnp.exp(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return g * y
-
-    differences = vjpkit.testing.assert_port_matches_original(PortExp, TExp, X, second_order=True)
+    differences = vjpkit.testing.assert_port_matches_original(functions.Exp, TorchExp, X, second_order=True)
     assert set(differences) == {"output", "gradient", "second order"}
     assert max(differences.values()) < 1e-12
 
 
 def test_port_matches_original_names_what_differs_for_a_wrong_port():
-    class WrongExp(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = jnp.exp(x)
-            ctx.save_for_backward(y)
-            return y
-
+    class WrongExp(functions.Exp):
         @staticmethod
         def backward(ctx, g):
             (y,) = ctx.saved_tensors
             return 2 * g * y
 
-    with pytest.raises(AssertionError, match=r"WrongExp does not match its original TExp within atol=1e-06 "
+    with pytest.raises(AssertionError, match=r"WrongExp does not match its original TorchExp within atol=1e-06 "
                                              r"\(gradient\)"):
-        vjpkit.testing.assert_port_matches_original(WrongExp, TExp, X)
+        vjpkit.testing.assert_port_matches_original(WrongExp, TorchExp, X)
 
 
 def test_guide_code_blocks_run_in_order():

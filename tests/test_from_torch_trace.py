@@ -12,7 +12,8 @@ import pytest
 import vjpkit
 
 torch = pytest.importorskip("torch")  # CI installs the torch extra
-from test_from_torch import TCube, TExp, TExpWithVmapRule, TMul, TSin, TTwoOutputs  # noqa: E402  (shared originals)
+from test_from_torch import TCube, TExpWithVmapRule, TMul, TSin, TTwoOutputs  # noqa: E402  (shared originals)
+from torch_functions import TorchExp  # noqa: E402
 
 X = np.array([0.3, -1.2, 2.0], np.float32)
 
@@ -84,7 +85,7 @@ def no_callback(fn, *args):
 
 
 def test_traced_class_gives_values_and_its_own_backward_without_a_callback():
-    Exp = vjpkit.from_torch(TExp, mode="trace")
+    Exp = vjpkit.from_torch(TorchExp, mode="trace")
     grad = jax.grad(lambda x: Exp.apply(x).sum())
     np.testing.assert_allclose(Exp.apply(X), np.exp(X), rtol=1e-6)
     np.testing.assert_allclose(jax.jit(grad)(X), np.exp(X), rtol=1e-6)
@@ -118,7 +119,7 @@ def test_traced_class_without_materialized_grads_gets_none_for_an_unused_output(
 
 
 def test_traced_class_second_order_differentiates_its_backward():
-    Exp = vjpkit.from_torch(TExp, mode="trace")
+    Exp = vjpkit.from_torch(TorchExp, mode="trace")
     second = jax.grad(lambda x: jax.grad(lambda x: Exp.apply(x).sum())(x).sum())(X)
     np.testing.assert_allclose(second, np.exp(X), rtol=1e-6)
 
@@ -137,7 +138,7 @@ def test_traced_class_jvp_staticmethod_gives_forward_mode():
 
 
 def test_traced_class_under_vmap_of_grad_matches_per_example_gradients():
-    Exp = vjpkit.from_torch(TExp, mode="trace")
+    Exp = vjpkit.from_torch(TorchExp, mode="trace")
     xs = np.stack([X, 2 * X])
     got = jax.jit(jax.vmap(jax.grad(lambda x: Exp.apply(x).sum())))(xs)
     np.testing.assert_allclose(got, np.exp(xs), rtol=1e-6)
@@ -209,8 +210,8 @@ def test_in_place_write_into_a_view_names_the_op():
 
 
 def test_traced_callable_calling_a_function_names_it():
-    fn = vjpkit.from_torch(lambda x: TExp.apply(x) * 2, mode="trace")
-    with pytest.raises(NotImplementedError, match=r"lambda calls TExp.apply"):
+    fn = vjpkit.from_torch(lambda x: TorchExp.apply(x) * 2, mode="trace")
+    with pytest.raises(NotImplementedError, match=r"lambda calls TorchExp.apply"):
         fn(X)
 
 
@@ -243,7 +244,7 @@ def test_auto_falls_back_to_callbacks_for_an_untraceable_original():
 
 
 def test_auto_traces_a_traceable_original():
-    auto = vjpkit.from_torch(TExp, mode="auto")
+    auto = vjpkit.from_torch(TorchExp, mode="auto")
     assert no_callback(jax.grad(lambda x: auto.apply(x).sum()), X)
 
 
@@ -254,4 +255,4 @@ def test_auto_callable_falls_back_when_it_reads_a_value():
 
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match=r"mode must be one of 'callback', 'trace', 'auto', got 'jit'"):
-        vjpkit.from_torch(TExp, mode="jit")
+        vjpkit.from_torch(TorchExp, mode="jit")

@@ -14,10 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import SinWithJvp, once
 from gc_functions import Exp, HostRowScale, LinearFunction
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
+
+# jax.enable_x64 or its older home. Not the x64 fixture:
+# A scope inside one check: the true Jacobian in float64, gradcheck itself run with x64 off.
+from vjpkit._jax_internals import enable_x64
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((2, 3))
@@ -494,24 +498,6 @@ def test_nondeterminism_within_nondet_tol_passes():
 # check_forward_ad and check_backward_ad.
 
 
-class SinWithJvp(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        ctx.save_for_forward(x)
-        return jnp.sin(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * jnp.cos(x)
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return t * jnp.cos(x)
-
-
 class SinWithWrongJvp(SinWithJvp):
     @staticmethod
     def jvp(ctx, t):
@@ -883,19 +869,7 @@ def test_gradgradcheck_rejects_grad_outputs_of_the_wrong_shape():
 
 
 def test_gradgradcheck_of_once_differentiable_backward_raises_its_error():
-    class OnceExp(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = jnp.exp(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        @vjpkit.once_differentiable
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return g * y
-
+    OnceExp = once(Exp, "OnceExp")
     assert vjpkit.gradcheck(OnceExp.apply, (V,))
     with pytest.raises(RuntimeError, match="OnceExp.backward is decorated with @once_differentiable") as info:
         vjpkit.gradgradcheck(OnceExp.apply, (V,))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import StoppedTanh, StoppedTanhJvpOnly, StoppedTanhWithJvp, Tanh, TanhSavingAStoppedSlope, once
 
 import vjpkit
 
@@ -70,21 +71,6 @@ class CubicRoot(vjpkit.Function):
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
         return g / (3 * y**2 + 1)
-
-
-class StoppedTanh(vjpkit.Function):
-    """tanh under stop_gradient, backward from the saved output."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.tanh(x))
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * (1 - y**2)
 
 
 class NewtonSqrt(vjpkit.Function):
@@ -203,21 +189,6 @@ def test_straight_through_output_differentiates_as_the_identity_at_second_order(
 # Which arrays follow the Function's rules: outputs yes, intermediates no.
 
 
-class TanhSavingAStoppedSlope(vjpkit.Function):
-    """Saves an intermediate computed under stop_gradient: it stays constant at second order."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.tanh(x)
-        ctx.save_for_backward(jax.lax.stop_gradient(1 - y**2))
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (slope,) = ctx.saved_tensors
-        return g * slope
-
-
 def test_saved_intermediate_differentiates_through_forwards_code():
     # d/dx [cos(y) slope] with slope constant (forward's code says so): -sin(y) slope**2.
     slope = 1 - jnp.tanh(X) ** 2
@@ -314,40 +285,8 @@ def test_gradient_penalty_moves_an_input_that_forward_saw_as_not_needing_a_gradi
 # Functions with jvp.
 
 
-class StoppedTanhWithJvp(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.tanh(x))
-        ctx.save_for_backward(y)
-        ctx.save_for_forward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * (1 - y**2)
-
-    @staticmethod
-    def jvp(ctx, t):
-        (y,) = ctx.saved_tensors
-        return t * (1 - y**2)
-
-
-class StoppedTanhOnlyJvp(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.tanh(x))
-        ctx.save_for_forward(y)
-        return y
-
-    @staticmethod
-    def jvp(ctx, t):
-        (y,) = ctx.saved_tensors
-        return t * (1 - y**2)
-
-
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("cls", [StoppedTanhWithJvp, StoppedTanhOnlyJvp], ids=["jvp and backward", "only jvp"])
+@pytest.mark.parametrize("cls", [StoppedTanhWithJvp, StoppedTanhJvpOnly], ids=["jvp and backward", "only jvp"])
 def test_hessian_of_a_stop_gradient_forward_with_jvp_is_the_functions(cls, route):
     close(hessian_by(route)(sin_loss(cls.apply))(X), jax.hessian(sin_loss(jnp.tanh))(X))
 
@@ -356,18 +295,7 @@ def test_hessian_of_a_stop_gradient_forward_with_jvp_is_the_functions(cls, route
 # What still raises, and what does not change.
 
 
-class StoppedTanhOnce(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.tanh(x))
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    @vjpkit.once_differentiable
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * (1 - y**2)
+StoppedTanhOnce = once(StoppedTanh, "StoppedTanhOnce")
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -426,17 +354,6 @@ def _tanh_bwd(y, g):
 tanh_by_hand.defvjp(_tanh_fwd, _tanh_bwd)
 
 
-class Tanh(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * (1 - y**2)
 
 
 def test_first_order_program_is_the_hand_written_custom_vjps():

@@ -7,13 +7,18 @@ import pathlib
 import re
 import sys
 
+import functions
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Mul, fresh
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
+
+# jax.enable_x64 or its older home. Not the x64 fixture:
+# A scope inside one test: traced with x64 on, run with it off.
+from vjpkit._jax_internals import enable_x64
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 from numpy_rank import TrimmedMean, trimmed_mean_jnp  # noqa: E402
@@ -269,17 +274,12 @@ def test_typed_prng_key_input_arrives_as_its_data_and_gets_no_gradient():
 
 
 def test_integer_input_gets_no_gradient_and_is_passed_through():
-    @vjpkit.function(host=True)
-    class Gather:
+    class Gather(functions.Gather):  # its forward, in NumPy here
+        host = True
+
         @staticmethod
         def output_shapes(x, idx):
             return jax.ShapeDtypeStruct(idx.shape, x.dtype)
-
-        @staticmethod
-        def forward(ctx, x, idx):
-            ctx.save_for_backward(idx)
-            ctx.n = x.shape[0]
-            return x[idx]
 
         @staticmethod
         def backward(ctx, g):
@@ -474,7 +474,7 @@ def test_float64_output_where_float32_is_declared_is_cast():
     assert_close(out, X / 2)
 
 
-def test_scalar_float64_output_crosses_with_x64_on():
+def test_scalar_float64_output_crosses_with_x64_on(x64):
     @vjpkit.function(host=True)
     class Total:
         @staticmethod
@@ -489,10 +489,9 @@ def test_scalar_float64_output_crosses_with_x64_on():
         def backward(ctx, g):
             return np.full(3, g)
 
-    with enable_x64(True):
-        x = jnp.arange(3.0, dtype=jnp.float64)
-        assert Total(x) == 3.0 and Total(x).shape == ()
-        assert jax.grad(Total)(x).tolist() == [1.0, 1.0, 1.0]
+    x = jnp.arange(3.0, dtype=jnp.float64)
+    assert Total(x) == 3.0 and Total(x).shape == ()
+    assert jax.grad(Total)(x).tolist() == [1.0, 1.0, 1.0]
 
 
 def test_wrong_output_count_raises_naming_class():
@@ -660,19 +659,8 @@ def test_vmap_expand_dims_calls_numpy_once_with_the_batch():
     assert_close(per_example_w, jax.vmap(jax.grad(lambda w, x: jnp.sum((x * w) ** 2)), in_axes=(None, 0))(w, xs))
 
 
-@vjpkit.function(host=True, vmap_method="expand_dims")
-class RowScale:
-    """x (rows, n) times w (n,): w's gradient is broadcast over the rows, and summed down."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, g * x
+# x (rows, n) times w (n,) in NumPy: w's gradient is broadcast over the rows, and summed down.
+RowScale = fresh(Mul, "RowScale", host=True, vmap_method="expand_dims")
 
 
 def test_vmap_expand_dims_broadcast_gradient_of_an_unbatched_input_is_summed_per_example():
@@ -913,60 +901,56 @@ class SumOfCubes:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
-def test_0d_input_and_output_eager_and_jit(dtype):
-    with enable_x64(True):
-        x = np.array(0.7, dtype)
-        want = jnp.asarray(x) ** 3
-        for cube in (Cube.apply, jax.jit(Cube.apply)):
-            y = cube(x)
-            assert (y.shape, y.dtype) == ((), dtype)
-            assert_close(y, want)
+def test_0d_input_and_output_eager_and_jit(dtype, x64):
+    x = np.array(0.7, dtype)
+    want = jnp.asarray(x) ** 3
+    for cube in (Cube.apply, jax.jit(Cube.apply)):
+        y = cube(x)
+        assert (y.shape, y.dtype) == ((), dtype)
+        assert_close(y, want)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_0d_input_grad_and_jit_grad(dtype):
-    with enable_x64(True):
-        x = np.array(0.7, dtype)
-        want = jax.grad(lambda x: jnp.sin(x**3))(jnp.asarray(x))
-        for grad in (jax.grad(lambda x: jnp.sin(Cube(x))), jax.jit(jax.grad(lambda x: jnp.sin(Cube(x))))):
-            g = grad(x)
-            assert (g.shape, g.dtype) == ((), dtype)
-            assert_close(g, want)
+def test_0d_input_grad_and_jit_grad(dtype, x64):
+    x = np.array(0.7, dtype)
+    want = jax.grad(lambda x: jnp.sin(x**3))(jnp.asarray(x))
+    for grad in (jax.grad(lambda x: jnp.sin(Cube(x))), jax.jit(jax.grad(lambda x: jnp.sin(Cube(x))))):
+        g = grad(x)
+        assert (g.shape, g.dtype) == ((), dtype)
+        assert_close(g, want)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_vmap_of_0d_examples_sequential_and_expand_dims(dtype):
+def test_vmap_of_0d_examples_sequential_and_expand_dims(dtype, x64):
     @vjpkit.function(host=True, vmap_method="expand_dims")
     class BatchedCube:
         forward = Cube.forward
         backward = Cube.backward
 
-    with enable_x64(True):
-        xs = np.array([0.7, -1.5, 2.0], dtype)
-        want_y = jnp.asarray(xs) ** 3
-        want_g = jax.vmap(jax.grad(lambda x: jnp.sin(x**3)))(jnp.asarray(xs))
-        for cube in (Cube, BatchedCube):  # sequential hands each example over as a 0-d array
-            assert_close(jax.vmap(cube)(xs), want_y)
-            g = jax.jit(jax.vmap(jax.grad(lambda x, cube=cube: jnp.sin(cube(x)))))(xs)
-            assert g.dtype == dtype
-            assert_close(g, want_g)
+    xs = np.array([0.7, -1.5, 2.0], dtype)
+    want_y = jnp.asarray(xs) ** 3
+    want_g = jax.vmap(jax.grad(lambda x: jnp.sin(x**3)))(jnp.asarray(xs))
+    for cube in (Cube, BatchedCube):  # sequential hands each example over as a 0-d array
+        assert_close(jax.vmap(cube)(xs), want_y)
+        g = jax.jit(jax.vmap(jax.grad(lambda x, cube=cube: jnp.sin(cube(x)))))(xs)
+        assert g.dtype == dtype
+        assert_close(g, want_g)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_0d_output_of_a_vector_input(dtype):
-    with enable_x64(True):
-        x = np.array([0.5, -1.0, 2.0], dtype)
-        y = SumOfCubes(x)
-        assert (y.shape, y.dtype) == ((), dtype)
-        assert_close(y, np.sum(x**3))
-        assert_close(jax.jit(jax.grad(SumOfCubes))(x), 3 * x**2)
-        xs = np.stack([x, 2 * x])
-        assert_close(jax.vmap(SumOfCubes)(xs), np.sum(xs**3, axis=1))
-        assert_close(jax.vmap(jax.grad(SumOfCubes))(xs), 3 * xs**2)
+def test_0d_output_of_a_vector_input(dtype, x64):
+    x = np.array([0.5, -1.0, 2.0], dtype)
+    y = SumOfCubes(x)
+    assert (y.shape, y.dtype) == ((), dtype)
+    assert_close(y, np.sum(x**3))
+    assert_close(jax.jit(jax.grad(SumOfCubes))(x), 3 * x**2)
+    xs = np.stack([x, 2 * x])
+    assert_close(jax.vmap(SumOfCubes)(xs), np.sum(xs**3, axis=1))
+    assert_close(jax.vmap(jax.grad(SumOfCubes))(xs), 3 * xs**2)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64, np.bool_])
-def test_0d_integer_and_bool_arrays_cross_both_ways(dtype):
+def test_0d_integer_and_bool_arrays_cross_both_ways(dtype, x64):
     @vjpkit.function(host=True)
     class Same:
         @staticmethod
@@ -974,12 +958,11 @@ def test_0d_integer_and_bool_arrays_cross_both_ways(dtype):
             assert n.shape == () and n.dtype == dtype, (n.shape, n.dtype)
             return n.copy()
 
-    with enable_x64(True):
-        n = np.array(2**40 + 3 if np.dtype(dtype).itemsize == 8 else 1, dtype)
-        for same in (Same.apply, jax.jit(Same.apply)):
-            m = same(n)
-            assert (m.shape, m.dtype) == ((), dtype)
-            assert m == n
+    n = np.array(2**40 + 3 if np.dtype(dtype).itemsize == 8 else 1, dtype)
+    for same in (Same.apply, jax.jit(Same.apply)):
+        m = same(n)
+        assert (m.shape, m.dtype) == ((), dtype)
+        assert m == n
 
 
 # -- a vmap staticmethod that returns something malformed ----------------------------

@@ -35,30 +35,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import Exp, Mul, Scale, Sin, SinWithJvp  # sin, exp, a broadcasting product, a static scale
+from functions import (  # sin, exp (also under stop_gradient), a broadcasting product, a static scale
+    Exp,
+    Mul,
+    MulWithJvp,
+    Scale,
+    Sin,
+    SinWithJvp,
+    StoppedExp,
+    StoppedExpWithJvp,
+)
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
+
+# jax.enable_x64 or its older home. Not the x64 fixture:
+# A scope per generated example (its dtype): a fixture cannot vary within a hypothesis test.
+from vjpkit._jax_internals import enable_x64
 
 # ---------------------------------------------------------------------------
 # The Functions, each with a known derivative.
-
-
-class StoppedExp(vjpkit.Function):
-    """Computes its output under stop_gradient and saves it: higher orders follow backward, not forward's code."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.exp(x))
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y
 
 
 class Square(vjpkit.Function):
@@ -165,47 +162,6 @@ class CubeJ(vjpkit.Function):
         return 3 * x * x * t
 
 
-class MulJ(vjpkit.Function):
-    """Broadcasting product with both rules."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        ctx.save_for_forward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, g * x
-
-    @staticmethod
-    def jvp(ctx, tx, tw):
-        x, w = ctx.saved_tensors
-        return tx * w + x * tw
-
-
-class StoppedExpJ(vjpkit.Function):
-    """Both rules, output computed under stop_gradient and saved for both."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.exp(x))
-        ctx.save_for_backward(y)
-        ctx.save_for_forward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y
-
-    @staticmethod
-    def jvp(ctx, t):
-        (y,) = ctx.saved_tensors
-        return t * y
-
-
 # ---------------------------------------------------------------------------
 # Programs: chains of stages, written twice (vjpkit and plain jnp).
 
@@ -268,7 +224,8 @@ def run_stage(stage: Stage, h: Any, extra: list, ints: list, lib: dict) -> Any:
 LIBRARY = {
     "sin": Sin, "exp": Exp, "square": Square, "mul": Mul, "scale": Scale,
     "affine": Affine, "tree": Tree, "take": Take, "matvec": MatVec, "sum": Sum,
-    "sinj": SinWithJvp, "cubej": CubeJ, "mulj": MulJ, "stoppedexp": StoppedExp, "stoppedexpj": StoppedExpJ,
+    "sinj": SinWithJvp, "cubej": CubeJ, "mulj": MulWithJvp, "stoppedexp": StoppedExp,
+    "stoppedexpj": StoppedExpWithJvp,
 }
 
 
@@ -506,13 +463,8 @@ def test_float64_gradients_match_tightly_under_jit(program, transform, seed):
 # Mutation check: a backward off by a relative 1e-6 is caught.
 
 
-class SinOff(vjpkit.Function):
+class SinOff(Sin):
     """Sin with a backward off by a relative 1e-6: the kind of bug that still trains."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return jnp.sin(x)
 
     @staticmethod
     def backward(ctx, g):

@@ -8,13 +8,15 @@ import threading
 import time
 import tracemalloc
 
+import functions
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import make_mul
 
 import vjpkit
+
+# Internals on purpose: the live programs (no public API lists them) and a JAX-version flag.
 from vjpkit._jax_internals import JAX_KEEPS_TRANSPOSED_JITS
 from vjpkit._program import Program
 
@@ -24,20 +26,7 @@ from vjpkit._program import Program
 
 def _functions():
     """Fresh classes, so that the threads also race to trace and compile."""
-
-    class Exp(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, c=1.0):
-            y = jnp.exp(x) * c
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return g * y, None
-
-    return Exp, make_mul()
+    return functions.fresh(functions.ScaledExp, "Exp"), functions.fresh(functions.Mul)
 
 
 def _jobs(Exp, Mul):
@@ -102,18 +91,7 @@ def test_eight_threads_of_mixed_calls_match_a_serial_run():
 
 
 def _scale(**options):
-    @vjpkit.function(**options)
-    class Scale:
-        @staticmethod
-        def forward(ctx, x, c):
-            ctx.c = c
-            return c * x
-
-        @staticmethod
-        def backward(ctx, g):
-            return ctx.c * g, None
-
-    return Scale
+    return functions.fresh(functions.Scale, **options)
 
 
 def _alive_programs(cls) -> int:
@@ -250,10 +228,11 @@ def test_a_kept_ctx_keeps_its_underscore_attributes_readable():
         ctx.missing  # noqa: B018
 
 
-def test_an_array_kept_from_forward_fails_with_vjpkits_explanation_when_passed_back():
+def _keeping_exp():
+    """An exp that leaks the array it computes into ``kept``, and that list."""
     kept = []
 
-    class Keep(vjpkit.Function):
+    class Keep(functions.Exp):
         @staticmethod
         def forward(ctx, x):
             y = jnp.exp(x)
@@ -261,11 +240,11 @@ def test_an_array_kept_from_forward_fails_with_vjpkits_explanation_when_passed_b
             kept.append(y)
             return y
 
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return g * y
+    return Keep, kept
 
+
+def test_an_array_kept_from_forward_fails_with_vjpkits_explanation_when_passed_back():
+    Keep, kept = _keeping_exp()
     Keep.apply(jnp.ones(3))
     with pytest.raises(jax.errors.UnexpectedTracerError, match=r"Keep: an array that leaked out of an earlier trace "
                                                                r"was used here .*Return it from forward as an extra "
@@ -276,19 +255,7 @@ def test_an_array_kept_from_forward_fails_with_vjpkits_explanation_when_passed_b
 
 
 def test_an_array_kept_from_forward_used_in_plain_jax_names_the_forward():
-    kept = []
-
-    class Keep(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = jnp.exp(x)
-            kept.append(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
+    Keep, kept = _keeping_exp()
     Keep.apply(jnp.ones(3))
     # Outside vjpkit, the error is JAX's alone; it names where the value was made.
     with pytest.raises(jax.errors.UnexpectedTracerError, match=r"created on line .*Keep\.forward\)"):

@@ -34,16 +34,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 
 THOROUGH = os.environ.get("VJPKIT_HYPOTHESIS_PROFILE", "default") == "thorough"
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    # Tight tolerances need float64; the setting must not leak into other test files.
-    with enable_x64(True):
-        yield
+# Tight tolerances need float64 (the conftest's x64 fixture keeps it to each test).
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 def close(got: Any, expected: Any, what: str = "") -> None:

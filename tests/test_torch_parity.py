@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Exp, Identity, Square, TanhSavingAStoppedSlope  # Exp: the tutorial's Exp, ported
+from gc_functions import LinearFunction  # the tutorial's, ported
 
 import vjpkit
 from vjpkit.testing import assert_matches_torch
@@ -47,17 +49,7 @@ if torch is not None:
             grad_input[input < 0] = 0
             return grad_input
 
-    class TorchExp(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, i):
-            result = i.exp()
-            ctx.save_for_backward(result)
-            return result
-
-        @staticmethod
-        def backward(ctx, grad_output):
-            (result,) = ctx.saved_tensors
-            return grad_output * result
+    from torch_functions import TorchExp
 
     class TorchMulConstant(torch.autograd.Function):
         @staticmethod
@@ -100,7 +92,7 @@ if torch is not None:
 
 
 # ---------------------------------------------------------------------------
-# Their vjpkit ports.
+# Their vjpkit ports (Exp and LinearFunction are shared: functions.py, gc_functions.py).
 
 
 class ReLU(vjpkit.Function):
@@ -113,19 +105,6 @@ class ReLU(vjpkit.Function):
     def backward(ctx, grad_output):
         (input,) = ctx.saved_tensors
         return jnp.where(input < 0, 0.0, grad_output)
-
-
-class Exp(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, i):
-        result = jnp.exp(i)
-        ctx.save_for_backward(result)
-        return result
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (result,) = ctx.saved_tensors
-        return grad_output * result
 
 
 class MulConstant(vjpkit.Function):
@@ -141,29 +120,6 @@ class MulConstant(vjpkit.Function):
     @staticmethod
     def backward(ctx, grad_output):
         return grad_output * ctx.constant, None
-
-
-class LinearFunction(vjpkit.Function):
-    @staticmethod
-    def forward(input, weight, bias=None):
-        output = input @ weight.T
-        return output if bias is None else output + bias
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input, weight, bias = ctx.saved_tensors
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = grad_output @ weight
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad_output.T @ input
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.sum(0)
-        return grad_input, grad_weight, grad_bias
 
 
 # ---------------------------------------------------------------------------
@@ -209,18 +165,13 @@ def test_float32_inputs_are_compared_in_float64():
 # Wrong ports are caught, with a report.
 
 
-class ExpSavingInput(vjpkit.Function):
-    """A typical porting slip: saves the input, then treats it as exp(input)."""
+class ExpSavingInput(Exp):
+    """A typical porting slip: saves the input, which Exp's backward treats as exp(input)."""
 
     @staticmethod
     def forward(ctx, i):
         ctx.save_for_backward(i)
         return jnp.exp(i)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (result,) = ctx.saved_tensors
-        return grad_output * result
 
 
 @needs_torch
@@ -258,14 +209,8 @@ def test_a_self_consistent_but_wrong_port_is_caught_where_gradcheck_is_not():
     assert "- the gradient with respect to input 2 ('bias'): 2 of 2 elements differ" in message
 
 
-class ExpFirstOrderOnly(vjpkit.Function):
+class ExpFirstOrderOnly(Exp):
     """Right first derivative, but backward hides its dependence on the input."""
-
-    @staticmethod
-    def forward(ctx, i):
-        result = jnp.exp(i)
-        ctx.save_for_backward(result)
-        return result
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -445,25 +390,11 @@ if torch is not None:
             return g * (2 * z).conj()  # PyTorch's convention: conjugate Wirtinger
 
 
-class Square(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, z):
-        ctx.save_for_backward(z)
-        return z * z
-
-    @staticmethod
-    def backward(ctx, g):
-        (z,) = ctx.saved_tensors
-        return g * 2 * z  # JAX's convention: the cotangent times the derivative
+# functions.Square's backward follows JAX's convention: the cotangent times the derivative.
 
 
-class SquareCopiedVerbatim(vjpkit.Function):
+class SquareCopiedVerbatim(Square):
     """PyTorch's backward copied as it is: conjugated, so wrong in JAX."""
-
-    @staticmethod
-    def forward(ctx, z):
-        ctx.save_for_backward(z)
-        return z * z
 
     @staticmethod
     def backward(ctx, g):
@@ -533,21 +464,6 @@ if torch is not None:
             return g * (expx + expnegx) / 2
 
 
-class TanhSavingAStoppedSlope(vjpkit.Function):
-    """Saves an intermediate computed with code that has no derivative (the original saves its output)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.tanh(x)
-        ctx.save_for_backward(jax.lax.stop_gradient(1 - y**2))
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (slope,) = ctx.saved_tensors
-        return g * slope
-
-
 class SinhSavingIntermediates(vjpkit.Function):
     @staticmethod
     def forward(ctx, x):
@@ -561,6 +477,8 @@ class SinhSavingIntermediates(vjpkit.Function):
         return g * (expx + expnegx) / 2
 
 
+# TanhSavingAStoppedSlope saves an intermediate computed with code that has no derivative; the original
+# saves its output.
 @needs_torch
 def test_second_order_sees_a_saved_intermediates_wrong_derivative():
     with pytest.raises(AssertionError) as info:
@@ -599,11 +517,7 @@ def test_second_order_verdict_is_absent_when_second_orders_agree():
     assert_matches_torch(TorchExp, Exp, (X,), check_second_order=True)
 
 
-class ScaleGradient(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
+class ScaleGradient(Identity):
     @staticmethod
     def backward(ctx, g):
         return 0.5 * g

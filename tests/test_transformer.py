@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, assert_matches_torch
 
 EXAMPLES_DIR = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -64,32 +63,29 @@ def test_op_passes_gradcheck(name):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_op_jitted_gradient_equals_autodiff_of_plain_maths(name):
+def test_op_jitted_gradient_equals_autodiff_of_plain_maths(name, x64):
     fn, plain, inputs = CASES[name]
     argnums = float_argnums(inputs)
-    with enable_x64(True):
-        got = jax.jit(jax.grad(scalar_loss(fn), argnums))(*inputs)
-        want = jax.grad(scalar_loss(plain), argnums)(*inputs)
+    got = jax.jit(jax.grad(scalar_loss(fn), argnums))(*inputs)
+    want = jax.grad(scalar_loss(plain), argnums)(*inputs)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["CausalAttention", "LayerNorm", "GELU"])
-def test_op_per_example_gradients_under_vmap_equal_autodiff(name):
+def test_op_per_example_gradients_under_vmap_equal_autodiff(name, x64):
     fn, plain, inputs = CASES[name]
-    with enable_x64(True):
-        # LayerNorm's weight and bias are shared by the examples; attention's q, k, v are all per example.
-        in_axes = 0 if name != "LayerNorm" else (0, None, None)
-        got = jax.vmap(jax.grad(scalar_loss(fn)), in_axes)(*inputs)
-        want = jax.vmap(jax.grad(scalar_loss(plain)), in_axes)(*inputs)
+    # LayerNorm's weight and bias are shared by the examples; attention's q, k, v are all per example.
+    in_axes = 0 if name != "LayerNorm" else (0, None, None)
+    got = jax.vmap(jax.grad(scalar_loss(fn)), in_axes)(*inputs)
+    want = jax.vmap(jax.grad(scalar_loss(plain)), in_axes)(*inputs)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_cross_entropy_per_example_gradients_under_vmap_equal_autodiff():
+def test_cross_entropy_per_example_gradients_under_vmap_equal_autodiff(x64):
     logits, labels = LOGITS.reshape(5, 1, 7), LABELS.reshape(5, 1)
-    with enable_x64(True):
-        got = jax.vmap(jax.grad(ops.softmax_cross_entropy))(logits, labels)
-        want = jax.vmap(jax.grad(ops.plain_softmax_cross_entropy))(logits, labels)
+    got = jax.vmap(jax.grad(ops.softmax_cross_entropy))(logits, labels)
+    want = jax.vmap(jax.grad(ops.plain_softmax_cross_entropy))(logits, labels)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
@@ -101,19 +97,17 @@ def test_op_second_derivative_passes_gradgradcheck(name):
     assert_gradgradcheck(fn, inputs)
 
 
-def test_attention_jvp_equals_autodiff_of_plain_maths():
+def test_attention_jvp_equals_autodiff_of_plain_maths(x64):
     tangents = tuple(RNG.normal(size=Q.shape) for _ in range(3))
-    with enable_x64(True):
-        out, tangent = jax.jit(lambda p, t: jax.jvp(CASES["CausalAttention"][0], p, t))((Q, K, V), tangents)
-        want_out, want_tangent = jax.jvp(ops.plain_causal_attention, (Q, K, V), tangents)
+    out, tangent = jax.jit(lambda p, t: jax.jvp(CASES["CausalAttention"][0], p, t))((Q, K, V), tangents)
+    want_out, want_tangent = jax.jvp(ops.plain_causal_attention, (Q, K, V), tangents)
     np.testing.assert_allclose(out, want_out, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(tangent, want_tangent, rtol=1e-10, atol=1e-12)
 
 
-def test_attention_with_one_block_equals_attention_with_several():
-    with enable_x64(True):
-        one = jax.grad(scalar_loss(lambda q, k, v: ops.causal_attention(q, k, v, 8)), (0, 1, 2))(Q, K, V)
-        two = jax.grad(scalar_loss(lambda q, k, v: ops.causal_attention(q, k, v, 2)), (0, 1, 2))(Q, K, V)
+def test_attention_with_one_block_equals_attention_with_several(x64):
+    one = jax.grad(scalar_loss(lambda q, k, v: ops.causal_attention(q, k, v, 8)), (0, 1, 2))(Q, K, V)
+    two = jax.grad(scalar_loss(lambda q, k, v: ops.causal_attention(q, k, v, 2)), (0, 1, 2))(Q, K, V)
     for a, b in zip(one, two, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
@@ -162,17 +156,16 @@ def test_op_matches_its_pytorch_original(name):
 TINY = train_transformer.Config(layers=1, width=16, heads=2, context=16, block=8)
 
 
-def test_training_step_equals_plain_autodiffs():
-    with enable_x64(True):
-        rng = np.random.default_rng(1)
-        tokens, targets = train_transformer.sample_batch(rng.integers(0, 128, 500), 3, TINY.context, rng)
-        params = jax.tree.map(lambda a: a.astype(jnp.float64), train_transformer.init_params(jax.random.key(0), TINY))
-        optimizer = train_transformer.make_optimizer(steps=10, warmup=0)
-        state = optimizer.init(params)
-        got = train_transformer.make_train_step(optimizer, TINY)(params, state, tokens, targets)
-        want = train_transformer.make_train_step(optimizer, TINY, train_transformer.AUTODIFF_OPS)(
-            params, state, tokens, targets)
-        assert got[2].dtype == jnp.float64
+def test_training_step_equals_plain_autodiffs(x64):
+    rng = np.random.default_rng(1)
+    tokens, targets = train_transformer.sample_batch(rng.integers(0, 128, 500), 3, TINY.context, rng)
+    params = jax.tree.map(lambda a: a.astype(jnp.float64), train_transformer.init_params(jax.random.key(0), TINY))
+    optimizer = train_transformer.make_optimizer(steps=10, warmup=0)
+    state = optimizer.init(params)
+    got = train_transformer.make_train_step(optimizer, TINY)(params, state, tokens, targets)
+    want = train_transformer.make_train_step(optimizer, TINY, train_transformer.AUTODIFF_OPS)(
+        params, state, tokens, targets)
+    assert got[2].dtype == jnp.float64
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12)
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import SinJvpOnly
 from jax import lax
 
 import vjpkit
@@ -26,12 +27,7 @@ def close(actual, expected, rtol=1e-6):
 def sine_twice_cos() -> type:
     """JAX's recurring f: sin(x), with jvp 2 * cos(x) * g (not sin's derivative, so tests see jvp run)."""
 
-    class SineTwiceCos(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_forward(x)
-            return jnp.sin(x)
-
+    class SineTwiceCos(SinJvpOnly):  # its forward: sin(x), saving x for jvp
         @staticmethod
         def jvp(ctx, g):
             (x,) = ctx.saved_tensors

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Identity, MulByScalar
 from jax import lax
 from jax.test_util import check_grads
 
@@ -932,16 +933,7 @@ def test_float0_cotangents_automatically_handled():
 
 def test_custom_vjp_scan_batching_edge_case():
     # CustomVJPTest.test_custom_vjp_scan_batching_edge_case (jax#5832)
-    class Mul(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, coeff):
-            ctx.save_for_backward(x, coeff)
-            return x * coeff
-
-        @staticmethod
-        def backward(ctx, g):
-            x, coeff = ctx.saved_tensors
-            return g * coeff, (x * g).sum()
+    Mul = MulByScalar  # JAX's mul: x * coeff, the gradient of the scalar coeff a sum
 
     def scan_over_mul(x, coeff):
         y, _ = lax.scan(lambda x, t: (Mul.apply(x, coeff), None), x, jnp.arange(3))
@@ -1006,15 +998,7 @@ def test_pytrees_not_required_to_contain_nones():
 
 def test_vmap_vjp_called_twice():
     # CustomVJPTest.test_vmap_vjp_called_twice (jax#14728)
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, y_bar):
-            return y_bar
-
+    F = Identity  # JAX's f: the identity, its vjp passing the cotangent through
     _, f_vjp = jax.vjp(jax.vmap(F.apply), jnp.array([3.0]))
     close(f_vjp(jnp.array([3.0])), (jnp.array([3.0]),))
     close(f_vjp(jnp.array([3.0])), (jnp.array([3.0]),))
@@ -1227,14 +1211,7 @@ def test_run_rules_more_than_once():
 
 def test_symbolic_zeros_remat():
     # CustomVJPTest.test_symbolic_zeros_remat
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
+    F = Identity  # JAX's f: the identity, its vjp passing the cotangent through
 
     @jax.remat
     def foo(x):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Double, Identity
 
 import vjpkit
 
@@ -166,7 +167,9 @@ class NumpyTake(vjpkit.Function):
         return NumpyTake.apply(x_tangent, ind, ind_inv, ctx.dim)
 
 
-class NumpySort(vjpkit.Function):
+class _SortRules(vjpkit.Function):
+    """NumpySort's and SortGenVmap's forward and rules (PyTorch writes them twice; only vmap differs)."""
+
     @staticmethod
     def forward(x, dim):
         ind = jnp.argsort(x, axis=dim)
@@ -188,45 +191,22 @@ class NumpySort(vjpkit.Function):
         return NumpyTake.apply(grad_output, ind_inv, ind, ctx.dim), None
 
     @staticmethod
+    def jvp(ctx, x_tangent, _):
+        ind, ind_inv = ctx.saved_tensors
+        return NumpyTake.apply(x_tangent, ind, ind_inv, ctx.dim), None, None
+
+
+class NumpySort(_SortRules):
+    @staticmethod
     def vmap(info, in_dims, x, dim):
         x_bdim, _ = in_dims
         x = jnp.moveaxis(x, x_bdim, 0)
         dim = dim if dim >= 0 else dim + x.ndim - 1
         return NumpySort.apply(x, dim + 1), (0, 0, 0)
 
-    @staticmethod
-    def jvp(ctx, x_tangent, _):
-        ind, ind_inv = ctx.saved_tensors
-        return NumpyTake.apply(x_tangent, ind, ind_inv, ctx.dim), None, None
 
-
-class SortGenVmap(vjpkit.Function):
+class SortGenVmap(_SortRules):
     generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, dim):
-        ind = jnp.argsort(x, axis=dim)
-        ind_inv = jnp.argsort(ind, axis=dim)
-        return jnp.take_along_axis(x, ind, dim), ind, ind_inv
-
-    @staticmethod
-    def setup_context(ctx, inputs, outputs):
-        _, dim = inputs
-        _, ind, ind_inv = outputs
-        ctx.mark_non_differentiable(ind, ind_inv)
-        ctx.save_for_backward(ind, ind_inv)
-        ctx.save_for_forward(ind, ind_inv)
-        ctx.dim = dim
-
-    @staticmethod
-    def backward(ctx, grad_output, _0, _1):
-        ind, ind_inv = ctx.saved_tensors
-        return NumpyTake.apply(grad_output, ind_inv, ind, ctx.dim), None
-
-    @staticmethod
-    def jvp(ctx, x_tangent, _):
-        ind, ind_inv = ctx.saved_tensors
-        return NumpyTake.apply(x_tangent, ind, ind_inv, ctx.dim), None, None
 
 
 class Select(vjpkit.Function):
@@ -504,11 +484,7 @@ def test_once_differentiable():
 @pytest.mark.parametrize("shape", [(1,), ()])
 def test_function_returns_input(shape):
     # TestAutograd.test_function_returns_input
-    class MyFunction(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
+    class MyFunction(Identity):  # forward returns its input
         @staticmethod
         def backward(ctx, grad):
             return grad * 2
@@ -521,11 +497,7 @@ def test_function_returns_input(shape):
 def test_function_returns_undefined_tensor():
     # TestAutograd.test_function_returns_undefined_tensor. vjpkit: JAX has no undefined gradient, so backward's
     # None is a zero gradient (PyTorch leaves x.grad None).
-    class MyFunction(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
+    class MyFunction(Double):  # forward: 2 * x
         @staticmethod
         def backward(ctx, grad):
             return None
@@ -661,11 +633,7 @@ def test_custom_function_non_tensor_inputs_outputs():
 
 def test_invalid_gradients():
     # TestAutograd.test_invalid_gradients: a gradient of the wrong shape raises, naming the expected shape.
-    class MyFunction(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
+    class MyFunction(Double):  # forward: 2 * x
         @staticmethod
         def backward(ctx, grad_output):
             return jnp.ones(10)

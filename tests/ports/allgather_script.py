@@ -37,7 +37,8 @@ import torch  # noqa: E402
 from allgather_port import AXIS, AllGather, OwnSlot, make_mesh, shard_map  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from vjpkit._jax_internals import enable_x64  # noqa: E402  # jax.enable_x64, or its older home
+# jax.enable_x64 or its older home; a script run in a subprocess has no pytest fixture.
+from vjpkit._jax_internals import enable_x64  # noqa: E402
 from vjpkit.testing import assert_matches_torch, assert_port_matches_original  # noqa: E402
 
 R = 4  # ranks in the group

@@ -43,7 +43,8 @@ from megatron_port import (  # noqa: E402
     shard_map,
 )
 
-from vjpkit._jax_internals import enable_x64  # noqa: E402  # jax.enable_x64, or its older home
+# jax.enable_x64 or its older home; a script run in a subprocess has no pytest fixture.
+from vjpkit._jax_internals import enable_x64  # noqa: E402
 from vjpkit.testing import assert_matches_torch, assert_port_matches_original  # noqa: E402
 
 R = 4  # ranks in the tensor-parallel group

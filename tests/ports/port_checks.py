@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
+# jax.enable_x64 or its older home. Not the x64 fixture: each helper scopes float64 to its own JAX
+# side, so the many tests calling it need not ask for it.
+from vjpkit._jax_internals import enable_x64
 
 
 def torch_grad(torch_fn: Any, inputs: Sequence[Any], argnums: Sequence[int], output: int = 0) -> list[np.ndarray]:

@@ -29,7 +29,6 @@ import torch
 from torch.utils.checkpoint import CheckpointFunction as TorchCheckpointFunction
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_gradcheck
 
 RNG = np.random.default_rng(26)
@@ -94,11 +93,10 @@ def torch_checkpoint_grads(module, x):
     return x.grad.numpy(), {name: p.grad.numpy() for name, p in module.named_parameters()}
 
 
-def test_checkpoint_returns_the_parameter_gradients_pytorch_accumulates_in_grad():
+def test_checkpoint_returns_the_parameter_gradients_pytorch_accumulates_in_grad(x64):
     torch_gx, torch_gparams = torch_checkpoint_grads(TorchBlock().double(), X)
-    with enable_x64(True):
-        loss = lambda params, x: jnp.sin(CheckpointFunction.apply(block, True, params, x)).sum()  # noqa: E731
-        gparams, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(jax.tree.map(jnp.asarray, PARAMS), jnp.asarray(X))
+    loss = lambda params, x: jnp.sin(CheckpointFunction.apply(block, True, params, x)).sum()  # noqa: E731
+    gparams, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(jax.tree.map(jnp.asarray, PARAMS), jnp.asarray(X))
     np.testing.assert_allclose(gx, torch_gx, rtol=1e-10)
     for name in PARAMS:
         np.testing.assert_allclose(gparams[name], torch_gparams[name], rtol=1e-10)
@@ -131,16 +129,15 @@ def test_checkpoint_gradcheck_and_vmap():
     np.testing.assert_allclose(per_row, np.stack(loop), rtol=1e-5)
 
 
-def test_checkpoint_second_derivative_matches_plain_autodiff():
+def test_checkpoint_second_derivative_matches_plain_autodiff(x64):
     v = RNG.standard_normal(X.shape)
 
     def hvp(run):
         loss = lambda params, x: jnp.sin(run(params, x)).sum()  # noqa: E731
         return jax.jit(jax.grad(lambda params, x: jnp.vdot(jax.grad(loss, argnums=1)(params, x), v), argnums=(0, 1)))
 
-    with enable_x64(True):
-        params, x = jax.tree.map(jnp.asarray, PARAMS), jnp.asarray(X)
-        got = hvp(lambda params, x: CheckpointFunction.apply(block, False, params, x))(params, x)
-        want = hvp(block)(params, x)
+    params, x = jax.tree.map(jnp.asarray, PARAMS), jnp.asarray(X)
+    got = hvp(lambda params, x: CheckpointFunction.apply(block, False, params, x))(params, x)
+    want = hvp(block)(params, x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)

@@ -23,7 +23,6 @@ import torch.autograd as autograd
 import torch.nn as nn
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_gradcheck
 
 RNG = np.random.default_rng(30)
@@ -146,29 +145,27 @@ FROM_TORCH_CASES = [dict(original=torch_deq, port=deq, args=(W, X), atol=1e-9, i
                          vmap_args=(W, X[:, None, :]))]
 
 
-def test_deq_matches_the_tutorials_layer_with_the_weight_gradient():
+def test_deq_matches_the_tutorials_layer_with_the_weight_gradient(x64):
     f = TorchTanhLayer()
     x = torch.tensor(X, requires_grad=True)
     z = TorchDEQFixedPoint(f, forward_iteration, tol=TOL, max_iter=MAX_ITER)(x)
     torch.sin(z).sum().backward()
-    with enable_x64(True):
-        got_z = deq(jnp.asarray(W), jnp.asarray(X))
-        grad = jax.jit(jax.grad(lambda W, x: jnp.sin(deq(W, x)).sum(), argnums=(0, 1)))
-        gW, gx = grad(jnp.asarray(W), jnp.asarray(X))
+    got_z = deq(jnp.asarray(W), jnp.asarray(X))
+    grad = jax.jit(jax.grad(lambda W, x: jnp.sin(deq(W, x)).sum(), argnums=(0, 1)))
+    gW, gx = grad(jnp.asarray(W), jnp.asarray(X))
     np.testing.assert_allclose(got_z, z.detach().numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(gx, x.grad.numpy(), rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(gW, f.linear.weight.grad.numpy(), rtol=1e-8, atol=1e-10)
 
 
-def test_deq_second_derivative_matches_the_unrolled_iteration():
+def test_deq_second_derivative_matches_the_unrolled_iteration(x64):
     v = RNG.standard_normal(X.shape)
-    with enable_x64(True):
-        def hvp(layer, W, x):
-            loss = lambda W, x: jnp.sin(layer(W, x)).sum()  # noqa: E731
-            return jax.grad(lambda W, x: jnp.vdot(jax.grad(loss, argnums=1)(W, x), v), argnums=(0, 1))(W, x)
+    def hvp(layer, W, x):
+        loss = lambda W, x: jnp.sin(layer(W, x)).sum()  # noqa: E731
+        return jax.grad(lambda W, x: jnp.vdot(jax.grad(loss, argnums=1)(W, x), v), argnums=(0, 1))(W, x)
 
-        got = jax.jit(lambda W, x: hvp(deq, W, x))(jnp.asarray(W), jnp.asarray(X))
-        want = jax.jit(lambda W, x: hvp(unrolled, W, x))(jnp.asarray(W), jnp.asarray(X))
+    got = jax.jit(lambda W, x: hvp(deq, W, x))(jnp.asarray(W), jnp.asarray(X))
+    want = jax.jit(lambda W, x: hvp(unrolled, W, x))(jnp.asarray(W), jnp.asarray(X))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-10)
 
@@ -177,8 +174,7 @@ def test_deq_gradcheck():
     assert_gradcheck(deq, (W, X[0]))
 
 
-def test_deq_per_example_gradients_under_vmap():
-    with enable_x64(True):
-        per_example = jax.vmap(jax.grad(lambda x: jnp.sin(deq(jnp.asarray(W), x)).sum()))(jnp.asarray(X))
-        want = jax.vmap(jax.grad(lambda x: jnp.sin(unrolled(jnp.asarray(W), x)).sum()))(jnp.asarray(X))
+def test_deq_per_example_gradients_under_vmap(x64):
+    per_example = jax.vmap(jax.grad(lambda x: jnp.sin(deq(jnp.asarray(W), x)).sum()))(jnp.asarray(X))
+    want = jax.vmap(jax.grad(lambda x: jnp.sin(unrolled(jnp.asarray(W), x)).sum()))(jnp.asarray(X))
     np.testing.assert_allclose(per_example, want, rtol=1e-8, atol=1e-10)

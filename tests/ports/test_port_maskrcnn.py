@@ -17,7 +17,6 @@ import torch
 from port_checks import assert_jit_grad_matches_torch, assert_vmap_matches_loop
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, assert_matches_torch
 
 RNG = np.random.default_rng(10)
@@ -56,11 +55,10 @@ def test_new_empty_tensor_op_matches_pytorch_for_zero_detections():
                          check_second_order=True)
 
 
-def test_new_empty_tensor_op_under_jit_grad_and_vmap():
-    with enable_x64(True):
-        g = jax.jit(jax.grad(lambda x: NewEmptyTensorOp.apply(x, (0, 7)).sum()))(jnp.zeros((0, 4)))
-        assert g.shape == (0, 4)
-        assert jax.vmap(lambda x: NewEmptyTensorOp.apply(x, (0, 7)))(jnp.zeros((2, 0, 4))).shape == (2, 0, 7)
+def test_new_empty_tensor_op_under_jit_grad_and_vmap(x64):
+    g = jax.jit(jax.grad(lambda x: NewEmptyTensorOp.apply(x, (0, 7)).sum()))(jnp.zeros((0, 4)))
+    assert g.shape == (0, 4)
+    assert jax.vmap(lambda x: NewEmptyTensorOp.apply(x, (0, 7)))(jnp.zeros((2, 0, 4))).shape == (2, 0, 7)
 
 
 # --- _SigmoidFocalLoss ---------------------------------------------------------------

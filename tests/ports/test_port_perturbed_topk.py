@@ -23,7 +23,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
+
+# jax.enable_x64 or its older home. Not the x64 fixture: a fixture draws float64 noise for a test
+# that runs in float32.
+from vjpkit._jax_internals import enable_x64
 from vjpkit.testing import assert_matches_torch
 
 RNG = np.random.default_rng(29)
@@ -150,25 +153,23 @@ def test_perturbed_topk_same_key_same_output_new_key_new_noise():
     assert not jnp.array_equal(a, PerturbedTopKFunction.apply(x, jax.random.key(1), K, NUM_SAMPLES, SIGMA))
 
 
-def test_perturbed_topk_backward_uses_the_forward_noise():
+def test_perturbed_topk_backward_uses_the_forward_noise(x64):
     # The original's estimator: d indicators[k, d] / d x[d] = mean_n(one_hot[n, k, d] * Z[n, d]) / sigma,
     # with forward's Z (only that diagonal: x[e] for e != d gets nothing).
-    with enable_x64(True):
-        x = jnp.asarray(X[0])
-        noise = jax.random.normal(KEY, (NUM_SAMPLES, X.shape[-1]), jnp.float64)
-        jac = jax.jacrev(lambda x: PerturbedTopKFunction.apply(x, KEY, K, NUM_SAMPLES, SIGMA))(x)
-        diagonal = np.asarray((perturbed_topk_one_hot(x, noise, K, SIGMA) * noise[:, None, :]).mean(0) / SIGMA)
+    x = jnp.asarray(X[0])
+    noise = jax.random.normal(KEY, (NUM_SAMPLES, X.shape[-1]), jnp.float64)
+    jac = jax.jacrev(lambda x: PerturbedTopKFunction.apply(x, KEY, K, NUM_SAMPLES, SIGMA))(x)
+    diagonal = np.asarray((perturbed_topk_one_hot(x, noise, K, SIGMA) * noise[:, None, :]).mean(0) / SIGMA)
     np.testing.assert_allclose(jac, diagonal[:, :, None] * np.eye(X.shape[-1]), rtol=1e-6, atol=1e-12)
 
 
-def test_perturbed_topk_under_jit_grad_and_vmap_with_a_key_per_example():
+def test_perturbed_topk_under_jit_grad_and_vmap_with_a_key_per_example(x64):
     keys = jax.random.split(KEY, len(X))
-    with enable_x64(True):
-        x = jnp.asarray(X)
+    x = jnp.asarray(X)
 
-        def loss(x, key):
-            return jnp.sin(PerturbedTopKFunction.apply(x, key, K, NUM_SAMPLES, SIGMA)).sum()
+    def loss(x, key):
+        return jnp.sin(PerturbedTopKFunction.apply(x, key, K, NUM_SAMPLES, SIGMA)).sum()
 
-        batched = jax.jit(jax.vmap(jax.grad(loss)))(x, keys)
-        for b in range(len(X)):
-            np.testing.assert_allclose(batched[b], jax.grad(loss)(x[b], keys[b]), rtol=1e-10)
+    batched = jax.jit(jax.vmap(jax.grad(loss)))(x, keys)
+    for b in range(len(X)):
+        np.testing.assert_allclose(batched[b], jax.grad(loss)(x[b], keys[b]), rtol=1e-10)

@@ -24,7 +24,6 @@ import torch
 from port_checks import assert_jit_grad_matches_torch, assert_vmap_matches_loop
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_matches_torch
 
 RNG = np.random.default_rng(8)
@@ -80,11 +79,10 @@ def test_linear_quantize_ste_matches_pytorch_in_place_and_not():
                                  differentiate=(True, False, False, False, False))
 
 
-def test_linear_quantize_ste_gradient_is_the_straight_through_estimator():
-    with enable_x64(True):
-        x = jnp.asarray(X)
-        got = jax.grad(lambda x: jnp.sum(jnp.sin(LinearQuantizeSTE.apply(x, SCALE, ZERO_POINT, True, False))))(x)
-        want = jax.grad(lambda x: jnp.sum(jnp.sin((round_ste(SCALE * x - ZERO_POINT) + ZERO_POINT) / SCALE)))(x)
+def test_linear_quantize_ste_gradient_is_the_straight_through_estimator(x64):
+    x = jnp.asarray(X)
+    got = jax.grad(lambda x: jnp.sum(jnp.sin(LinearQuantizeSTE.apply(x, SCALE, ZERO_POINT, True, False))))(x)
+    want = jax.grad(lambda x: jnp.sum(jnp.sin((round_ste(SCALE * x - ZERO_POINT) + ZERO_POINT) / SCALE)))(x)
     np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
@@ -125,11 +123,10 @@ def test_binary_quantize_matches_pytorch():
     assert_matches_torch(TorchBinaryQuantize, BinaryQuantize, (X, K, T))  # k, t: None in both
 
 
-def test_binary_quantize_gradient_is_the_tanh_estimator():
-    with enable_x64(True):
-        x = jnp.asarray(X)
-        got = jax.grad(lambda x: jnp.sum(BinaryQuantize.apply(x, K, T)))(x)
-        want = jax.grad(lambda x: jnp.sum(K * jnp.tanh(x * T)))(x)
+def test_binary_quantize_gradient_is_the_tanh_estimator(x64):
+    x = jnp.asarray(X)
+    got = jax.grad(lambda x: jnp.sum(BinaryQuantize.apply(x, K, T)))(x)
+    want = jax.grad(lambda x: jnp.sum(K * jnp.tanh(x * T)))(x)
     np.testing.assert_allclose(got, want, rtol=1e-9)
 
 
@@ -187,16 +184,15 @@ def test_lsq_matches_pytorch_with_a_step_gradient():
     assert_matches_torch(TorchFunLSQ, FunLSQ, LSQ_ARGS, differentiate=(False, True, False, False, False))
 
 
-def test_lsq_step_gradient_is_the_straight_through_rounding_one():
+def test_lsq_step_gradient_is_the_straight_through_rounding_one(x64):
     _, alpha, g, Qn, Qp = LSQ_ARGS
-    with enable_x64(True):
-        w, a = jnp.asarray(X), jnp.asarray(alpha)
-        loss = lambda f: lambda w, a: jnp.sum(jnp.sin(f(w, a)))  # noqa: E731
-        got = jax.grad(loss(lambda w, a: FunLSQ.apply(w, a, g, Qn, Qp)), argnums=(0, 1))(w, a)
-        # LSQ's estimator: round straight through, the step's gradient scaled by g.
-        scaled = lambda a: a * g + jax.lax.stop_gradient(a - a * g)  # noqa: E731
-        want = jax.grad(loss(lambda w, a: jnp.clip(round_ste(w / scaled(a)), Qn, Qp) * scaled(a)),
-                        argnums=(0, 1))(w, a)
+    w, a = jnp.asarray(X), jnp.asarray(alpha)
+    loss = lambda f: lambda w, a: jnp.sum(jnp.sin(f(w, a)))  # noqa: E731
+    got = jax.grad(loss(lambda w, a: FunLSQ.apply(w, a, g, Qn, Qp)), argnums=(0, 1))(w, a)
+    # LSQ's estimator: round straight through, the step's gradient scaled by g.
+    scaled = lambda a: a * g + jax.lax.stop_gradient(a - a * g)  # noqa: E731
+    want = jax.grad(loss(lambda w, a: jnp.clip(round_ste(w / scaled(a)), Qn, Qp) * scaled(a)),
+                    argnums=(0, 1))(w, a)
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12)
 

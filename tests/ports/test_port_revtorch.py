@@ -28,7 +28,6 @@ import torch
 import torch.nn as nn
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_gradcheck
 
 MAXINT = 2147483647
@@ -224,16 +223,15 @@ def torch_sequence():
     return nn.ModuleList([TorchReversibleBlock(linear_tanh(p["f"]), linear_tanh(p["g"])) for p in LAYERS])
 
 
-def test_reversible_sequence_matches_pytorch_with_parameter_gradients():
+def test_reversible_sequence_matches_pytorch_with_parameter_gradients(x64):
     blocks = torch_sequence()
     x = torch.tensor(X, requires_grad=True)
     y = TorchReversibleModuleFunction.apply(x, blocks)
     torch.sin(y).sum().backward()
-    with enable_x64(True):
-        params = jax.tree.map(jnp.asarray, LAYERS)
-        loss = lambda x, p: jnp.sin(ReversibleModuleFunction.apply(x, BLOCKS, p)).sum()  # noqa: E731
-        got_y = ReversibleModuleFunction.apply(jnp.asarray(X), BLOCKS, params)
-        gx, gparams = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(X), params)
+    params = jax.tree.map(jnp.asarray, LAYERS)
+    loss = lambda x, p: jnp.sin(ReversibleModuleFunction.apply(x, BLOCKS, p)).sum()  # noqa: E731
+    got_y = ReversibleModuleFunction.apply(jnp.asarray(X), BLOCKS, params)
+    gx, gparams = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(X), params)
     np.testing.assert_allclose(got_y, y.detach().numpy(), rtol=1e-12)
     np.testing.assert_allclose(gx, x.grad.numpy(), rtol=1e-10)
     for k, block in enumerate(blocks):
@@ -270,7 +268,7 @@ def test_reversible_sequence_under_vmap():
                                rtol=1e-5, atol=1e-6)
 
 
-def test_reversible_sequence_second_derivative_matches_plain_autodiff():
+def test_reversible_sequence_second_derivative_matches_plain_autodiff(x64):
     # backward's pullbacks are JAX code: a Hessian-vector product differentiates them (create_graph for free).
     v = RNG.standard_normal(X.shape)
 
@@ -283,9 +281,8 @@ def test_reversible_sequence_second_derivative_matches_plain_autodiff():
         loss = lambda x, p: jnp.sin(layer(x, p)).sum()  # noqa: E731
         return jax.jit(jax.grad(lambda x, p: jnp.vdot(jax.grad(loss)(x, p), v), argnums=(0, 1)))
 
-    with enable_x64(True):
-        params, x = jax.tree.map(jnp.asarray, LAYERS), jnp.asarray(X)
-        got = hvp(lambda x, p: ReversibleModuleFunction.apply(x, BLOCKS, p))(x, params)
-        want = hvp(plain)(x, params)
+    params, x = jax.tree.map(jnp.asarray, LAYERS), jnp.asarray(X)
+    got = hvp(lambda x, p: ReversibleModuleFunction.apply(x, BLOCKS, p))(x, params)
+    want = hvp(plain)(x, params)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)

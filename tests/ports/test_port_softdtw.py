@@ -20,7 +20,6 @@ import torch
 from torch.autograd import Function
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_gradcheck, assert_matches_torch
 
 RNG = np.random.default_rng(28)
@@ -123,7 +122,7 @@ def alignment_paths(n, m):
     return [path + [(n - 1, m - 1)] for a, b in earlier if a >= 1 and b >= 1 for path in alignment_paths(a, b)]
 
 
-def test_soft_dtw_is_the_soft_minimum_over_paths_and_its_gradient_the_expected_alignment():
+def test_soft_dtw_is_the_soft_minimum_over_paths_and_its_gradient_the_expected_alignment(x64):
     small, gamma = D[:3, :4], 0.5
     paths = alignment_paths(*small.shape)
     costs = np.array([sum(small[c] for c in path) for path in paths])
@@ -131,8 +130,7 @@ def test_soft_dtw_is_the_soft_minimum_over_paths_and_its_gradient_the_expected_a
     weights /= weights.sum()
     expected_alignment = sum(w * np.isin(np.arange(small.size), [i * small.shape[1] + j for i, j in path])
                              .reshape(small.shape) for w, path in zip(weights, paths, strict=True))
-    with enable_x64(True):
-        value, grad = jax.jit(jax.value_and_grad(lambda D: SoftDTW.apply(D, gamma)))(jnp.asarray(small))
+    value, grad = jax.jit(jax.value_and_grad(lambda D: SoftDTW.apply(D, gamma)))(jnp.asarray(small))
     np.testing.assert_allclose(value, -gamma * np.log(np.exp(-costs / gamma).sum()), rtol=1e-12)
     np.testing.assert_allclose(grad, expected_alignment, rtol=1e-9, atol=1e-12)
 
@@ -141,10 +139,9 @@ def test_soft_dtw_gradcheck():
     assert_gradcheck(lambda D: SoftDTW.apply(D, 0.5), (D,))
 
 
-def test_soft_dtw_per_example_gradients_under_vmap():
+def test_soft_dtw_per_example_gradients_under_vmap(x64):
     batch = np.stack([D, D[::-1], D * 2])
-    with enable_x64(True):
-        per_example = jax.vmap(jax.grad(lambda D: SoftDTW.apply(D, 1.0)))(jnp.asarray(batch))
-        for b in range(len(batch)):
-            np.testing.assert_allclose(per_example[b], jax.grad(lambda D: SoftDTW.apply(D, 1.0))(batch[b]),
-                                       rtol=1e-12)
+    per_example = jax.vmap(jax.grad(lambda D: SoftDTW.apply(D, 1.0)))(jnp.asarray(batch))
+    for b in range(len(batch)):
+        np.testing.assert_allclose(per_example[b], jax.grad(lambda D: SoftDTW.apply(D, 1.0))(batch[b]),
+                                   rtol=1e-12)

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from port_checks import assert_jit_grad_matches_torch, assert_vmap_matches_loop
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, assert_matches_torch
 
 RNG = np.random.default_rng(3)
@@ -109,10 +108,9 @@ class HardSwishAutoFn(vjpkit.Function):
         return grad_output * m
 
 
-def test_softplus_helper_matches_torch_beta_and_threshold():
+def test_softplus_helper_matches_torch_beta_and_threshold(x64):
     x = np.linspace(-30, 30, 61)
-    with enable_x64(True):
-        got = softplus(jnp.asarray(x), beta=2.0, threshold=10.0)
+    got = softplus(jnp.asarray(x), beta=2.0, threshold=10.0)
     np.testing.assert_allclose(got, F.softplus(torch.tensor(x), beta=2.0, threshold=10.0).numpy(), rtol=1e-12)
 
 

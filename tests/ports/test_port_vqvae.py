@@ -14,7 +14,6 @@ import torch
 from port_checks import assert_jit_grad_matches_torch, assert_vmap_matches_loop
 
 import vjpkit
-from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit.testing import assert_gradcheck, assert_matches_torch
 
 RNG = np.random.default_rng(5)
@@ -119,9 +118,8 @@ def test_straight_through_under_jit_grad_and_vmap():
     assert_vmap_matches_loop(VectorQuantizationStraightThrough, (INPUTS, CODEBOOK), (0, None), argnums=(0, 1))
 
 
-def test_vector_quantization_indices_match_pytorch():
-    with enable_x64(True):
-        got = VectorQuantization.apply(jnp.asarray(INPUTS), jnp.asarray(CODEBOOK))
+def test_vector_quantization_indices_match_pytorch(x64):
+    got = VectorQuantization.apply(jnp.asarray(INPUTS), jnp.asarray(CODEBOOK))
     want = TorchVectorQuantization.apply(torch.tensor(INPUTS), torch.tensor(CODEBOOK))
     np.testing.assert_array_equal(np.asarray(got), want.numpy())
 

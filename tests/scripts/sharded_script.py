@@ -11,15 +11,18 @@ the single-device one, otherwise the error text.
 
 import json
 import os
+import pathlib
 import sys
 import traceback
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for functions
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from functions import Tanh  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
@@ -49,19 +52,6 @@ class Linear(vjpkit.Function):
         x, w = ctx.saved_tensors
         gx = g @ w if ctx.needs_input_grad[0] else None
         return gx, g.T @ x, g.sum(0)
-
-
-class Tanh(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x):
-        t = jnp.tanh(x)
-        ctx.save_for_backward(t)
-        return t
-
-    @staticmethod
-    def backward(ctx, g):
-        (t,) = ctx.saved_tensors
-        return g * (1 - t**2)
 
 
 def model(params, x):

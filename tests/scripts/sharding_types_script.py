@@ -19,14 +19,16 @@ import traceback
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for functions
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from functions import Linear, LinearWithJvp, Mul, fresh  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import vjpkit  # noqa: E402
+# Internals on purpose: which sharding API this JAX has (a version probe no public API gives).
 from vjpkit import _jax_internals  # noqa: E402
 
 AxisType = getattr(jax.sharding, "AxisType", None)
@@ -47,68 +49,10 @@ class Skip(Exception):
     pass
 
 
-class Linear(vjpkit.Function):
-    """As ported from PyTorch: backward's ``g.T @ x`` contracts the batch axis."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.T
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g @ w, g.T @ x
-
-
-class LinearWithJvp(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        ctx.save_for_forward(x, w)
-        return x @ w.T
-
-    @staticmethod
-    def jvp(ctx, tx, tw):
-        x, w = ctx.saved_tensors
-        return tx @ w.T + x @ tw.T
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g @ w, g.T @ x
-
-
-@vjpkit.function(host=True)
-class HostMul:
-    """Elementwise ``x * w`` in NumPy; ``w`` broadcasts against ``x``."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, g * x
-
-
-@vjpkit.function(host=True)
-class HostLinear:
-    @staticmethod
-    def output_shapes(x, w):
-        return jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype)
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.T
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g @ w, g.T @ x
+# Elementwise ``x * w`` in NumPy; ``w`` broadcasts against ``x``.
+HostMul = fresh(Mul, "HostMul", host=True)
+HostLinear = fresh(Linear, "HostLinear", host=True, output_shapes=staticmethod(
+    lambda x, w: jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype)))
 
 
 def close(got, want):
