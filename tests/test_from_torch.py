@@ -479,6 +479,34 @@ def test_from_torch_of_something_else_raises():
         vjpkit.from_torch(3)
 
 
+def test_from_torch_of_a_vjpkit_function_points_to_its_apply():
+    class Double(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+    with pytest.raises(TypeError, match=r"vjpkit\.from_torch\(Double\): Double is already a vjpkit Function; "
+                                        r"call Double\.apply directly"):
+        vjpkit.from_torch(Double)
+
+
+@pytest.mark.parametrize("mode", ["callback", "trace", "auto"])
+def test_from_torch_of_its_own_result_asks_for_the_original_with_every_option(mode):
+    # Wrapped again, the result would get torch tensors (trace mode's stand-ins) as static arguments,
+    # and hand them to the original on the host, where their values are gone.
+    for made in (vjpkit.from_torch(lambda x: x @ x.T, reentrant=True), vjpkit.from_torch(TExp),
+                 vjpkit.from_torch(TExp, mode="auto")):
+        with pytest.raises(TypeError, match=r"is already what vjpkit\.from_torch made, a function of JAX arrays; "
+                                            r"pass the original itself, with every option at once"):
+            vjpkit.from_torch(made, mode=mode)
+
+
+def test_a_torch_tensor_argument_is_refused_naming_its_position():
+    with pytest.raises(TypeError, match=r"TMul \(vjpkit\.from_torch\) got a torch\.Tensor in argument 1: it takes "
+                                        r"JAX or NumPy arrays"):
+        vjpkit.from_torch(TMul).apply(np.ones(3), torch.ones(3))
+
+
 SHARDED_SCRIPT = """
 import jax, jax.numpy as jnp, numpy as np, torch, vjpkit
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from . import _sharding
+from . import _caches, _sharding
 from ._ctx import FunctionCtx
 from ._function import Function
 from ._host import _pure_callback
@@ -91,6 +91,13 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
     if mode not in _MODES:
         raise ValueError(f"vjpkit.from_torch: mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}.")
     torch = _import_torch()
+    if getattr(obj, "_vjpkit_from_torch", False):
+        name = getattr(obj, "__name__", type(obj).__name__)
+        raise TypeError(
+            f"vjpkit.from_torch({name}): {name} is already what vjpkit.from_torch made, a function of JAX "
+            "arrays; pass the original itself, with every option at once: "
+            "vjpkit.from_torch(original, mode=..., reentrant=..., copy_inputs=...)."
+        )
     if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
         if mode == "callback":
             return _from_function_class(torch, obj, copy_inputs, reentrant)
@@ -245,9 +252,12 @@ class _Origin:
 
 
 def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None) -> Any:
-    programs: dict[Any, _Program] = {}  # per static signature, as vjpkit's own cache
+    # Per static part and (shape, dtype) of each array: torch's output kinds depend on nothing else
+    # (the dtypes are JAX's canonical ones, so x64 is in them).
+    programs: dict[Any, _Program] = _caches.table()
 
     def program_for(values: tuple) -> tuple[_Program, list]:
+        _refuse_torch_tensors(origin, values)
         layout, arrays = partition(values, is_array, by_value=True)
         kinds = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
         key = (layout, kinds)
@@ -303,6 +313,16 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None)
     return type(origin.name, (Function,), namespace)
 
 
+def _refuse_torch_tensors(origin: _Origin, values: tuple) -> None:
+    """A torch tensor among the arguments would be a static one, handed as is to every run of the original."""
+    for k, value in enumerate(values):
+        if any(isinstance(leaf, origin.torch.Tensor) for leaf in jax.tree_util.tree_leaves(value)):
+            raise TypeError(
+                f"{origin.name} (vjpkit.from_torch) got a torch.Tensor in argument {k}: it takes JAX or NumPy "
+                "arrays (jnp.asarray(t.numpy()), or call the original directly on torch tensors)."
+            )
+
+
 # ---------------------------------------------------------------------------
 # A torch computation of flat tensors, and its derivatives.
 
@@ -325,7 +345,7 @@ class _Program:
         self.out_layout: Partition = partition(list(range(len(out_kinds))), lambda _: True)[0]
         self.single_output = False
         self.layout: Partition = partition(list(range(len(in_kinds))), lambda _: True)[0]
-        self._vjps: dict[tuple, Any] = {}
+        self._vjps: dict[tuple, Any] = _caches.table()
 
     @classmethod
     def original(cls, origin: _Origin, layout: Partition, in_kinds: tuple) -> _Program:
