@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch.overrides import resolve_name
 
+from . import _caches, _jax_internals
 from ._ctx import FunctionCtx
 from ._function import Function
 from ._once import once_differentiable
@@ -466,9 +467,21 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
     return type(name, (Function,), namespace)
 
 
+def signature(layout: Any, arrays: list) -> tuple:
+    """What a trace of the original on a call depends on: the static part (its values by type and bits),
+    each array's shape, dtype and weak type, and JAX's trace configuration (x64, matmul precision, ...)."""
+    kinds = tuple((tuple(np.shape(a)), np.dtype(a.dtype), bool(getattr(getattr(a, "aval", None), "weak_type", False)))
+                  for a in arrays)
+    return layout, kinds, _jax_internals.trace_configuration()
+
+
 def trace_callable(fn: Callable, name: str) -> Callable:
-    """A jitted JAX function running ``fn`` on stand-ins; JAX differentiates its operations."""
-    compiled: dict[Any, tuple[Callable, dict]] = {}
+    """A jitted JAX function running ``fn`` on stand-ins; JAX differentiates its operations.
+
+    One ``jax.jit`` per ``signature``: the output's structure and static leaves, found while tracing,
+    belong to that trace alone.
+    """
+    compiled: dict[Any, tuple[Callable, dict]] = _caches.table()
 
     def program(layout: Any) -> tuple[Callable, dict]:
         outputs: dict[str, Any] = {}  # the output's structure and static leaves, found while tracing
@@ -486,9 +499,10 @@ def trace_callable(fn: Callable, name: str) -> Callable:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         layout, arrays = partition((args, kwargs), is_array, by_value=True)
-        entry = compiled.get(layout)
+        key = signature(layout, arrays)
+        entry = compiled.get(key)
         if entry is None:
-            entry = compiled[layout] = program(layout)
+            entry = compiled[key] = program(layout.snapshot())
         run, outputs = entry
         leaves = run(*arrays)
         return outputs["layout"].combine(leaves)
@@ -503,11 +517,11 @@ def auto(traced: Callable, callback: Callable, name: str) -> Callable:
     vector-Jacobian product with respect to every floating input, on
     shapes only (``jax.eval_shape``).
     """
-    chosen: dict[Any, Callable] = {}
+    chosen: dict[Any, Callable] = _caches.table()
 
     def call(*args: Any, **kwargs: Any) -> Any:
         layout, arrays = partition((args, kwargs), is_array, by_value=True)
-        key = (layout, tuple((tuple(np.shape(a)), jnp.result_type(a)) for a in arrays))
+        key = signature(layout, arrays)
         fn = chosen.get(key)
         if fn is None:
             fn = chosen[key] = traced if _traces(traced, layout, arrays) else callback
