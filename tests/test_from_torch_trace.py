@@ -186,6 +186,24 @@ def test_traced_callable_keeps_torchs_type_promotion():
     np.testing.assert_allclose(halves, np.array([0.0, -0.5, 1.0]))  # int / int is true division
 
 
+def test_traced_callable_one_hot_equals_jax_one_hot():
+    indices = np.array([[0, 3], [2, 1]], np.int32)
+    hot = vjpkit.from_torch(lambda i: torch.nn.functional.one_hot(i.long(), num_classes=4).float(), mode="trace")
+    assert no_callback(hot, indices)
+    np.testing.assert_array_equal(hot(indices), jax.nn.one_hot(indices, 4))
+
+
+def test_traced_callable_runs_torch_functional_einsum_and_split():
+    def halves_product(x):
+        a, b = torch.split(x, 2, dim=-1)
+        return torch.einsum("ij,ij->i", a, b)
+
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    traced = vjpkit.from_torch(halves_product, mode="trace")
+    assert no_callback(traced, x)
+    np.testing.assert_allclose(traced(x), (x[:, :2] * x[:, 2:]).sum(-1))
+
+
 def test_traced_callable_in_place_ops_on_a_local_tensor_are_functional_updates():
     def clipped(x):
         y = x.clone()

@@ -29,6 +29,7 @@ need aliasing and raises ``Untraceable``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable, Iterator
 
@@ -40,12 +41,13 @@ from torch.overrides import resolve_name
 
 from . import _caches, _jax_internals
 from ._ctx import FunctionCtx
+from ._from_torch import defines, is_torch_once_differentiable
 from ._function import Function
 from ._once import once_differentiable
 from ._torch_ops import RULES, VIEWS, Untraceable, jax_dtype, set_item
 from ._tree import is_array, partition
 
-__all__ = ["Either", "TracedTensor", "Untraceable", "auto", "trace_callable", "trace_function_class"]
+__all__ = ["Either", "TracedTensor", "Untraceable", "auto", "trace_callable", "trace_function_class", "traced"]
 
 # Tensor members that read metadata only: answered by the meta tensor underneath.
 _METADATA = {f"torch.Tensor.{name}" for name in (
@@ -425,6 +427,33 @@ def running(where: str, grad: bool) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------
 # The fronts.
+
+
+def traced(obj: Any, mode: str, callbacks: Callable[[], Any]) -> Any:
+    """``from_torch(obj, mode="trace")``, or ``"auto"`` (``callbacks()``: ``obj`` by host callbacks)."""
+    if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)):
+        name = getattr(obj, "__name__", type(obj).__name__).replace("<lambda>", "lambda")
+        fn = trace_callable(obj, name)
+        if mode == "auto":
+            fn = auto(fn, callbacks(), name)
+        fn = functools.wraps(obj)(fn)
+        fn._vjpkit_from_torch = True  # type: ignore[attr-defined]
+        return fn
+    base = torch.autograd.Function
+    new_style = defines(obj, base, "setup_context")
+    if new_style and (defines(obj, base, "vmap") or getattr(obj, "generate_vmap_rule", False)):
+        if mode == "auto":
+            return callbacks()
+        raise Untraceable(f"{obj.__name__}.vmap", "is torch's batching rule; trace mode batches the traced "
+                          "operations and would ignore it (use mode='callback' or 'auto')")
+    params = list(inspect.signature(obj.forward).parameters.values())[0 if new_style else 1:]
+    backward = obj.backward if defines(obj, base, "backward") else None
+    cls = trace_function_class(
+        obj, params, new_style=new_style, has_backward=backward is not None, has_jvp=defines(obj, base, "jvp"),
+        once=backward is not None and is_torch_once_differentiable(backward))
+    if mode == "trace":
+        return cls
+    return Either(obj.__name__, auto(cls.apply, callbacks().apply, obj.__name__))
 
 
 def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backward: bool, has_jvp: bool,
