@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Sin
 
 import vjpkit
 from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
@@ -480,14 +481,9 @@ def test_from_torch_of_something_else_raises():
 
 
 def test_from_torch_of_a_vjpkit_function_points_to_its_apply():
-    class Double(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
-    with pytest.raises(TypeError, match=r"vjpkit\.from_torch\(Double\): Double is already a vjpkit Function; "
-                                        r"call Double\.apply directly"):
-        vjpkit.from_torch(Double)
+    with pytest.raises(TypeError, match=r"vjpkit\.from_torch\(Sin\): Sin is already a vjpkit Function; "
+                                        r"call Sin\.apply directly"):
+        vjpkit.from_torch(Sin)
 
 
 @pytest.mark.parametrize("mode", ["callback", "trace", "auto"])
