@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import Sin
 
 import vjpkit
 
@@ -461,6 +462,29 @@ def test_from_torch_of_something_else_raises():
     with pytest.raises(TypeError, match=r"vjpkit\.from_torch expects a torch\.autograd\.Function subclass or a "
                                         r"callable of tensors, got int"):
         vjpkit.from_torch(3)
+
+
+def test_from_torch_of_a_vjpkit_function_points_to_its_apply():
+    with pytest.raises(TypeError, match=r"vjpkit\.from_torch\(Sin\): Sin is already a vjpkit Function; "
+                                        r"call Sin\.apply directly"):
+        vjpkit.from_torch(Sin)
+
+
+@pytest.mark.parametrize("mode", ["callback", "trace", "auto"])
+def test_from_torch_of_its_own_result_asks_for_the_original_with_every_option(mode):
+    # Wrapped again, the result would get torch tensors (trace mode's stand-ins) as static arguments,
+    # and hand them to the original on the host, where their values are gone.
+    for made in (vjpkit.from_torch(lambda x: x @ x.T, reentrant=True), vjpkit.from_torch(TorchExp),
+                 vjpkit.from_torch(TorchExp, mode="auto")):
+        with pytest.raises(TypeError, match=r"is already what vjpkit\.from_torch made, a function of JAX arrays; "
+                                            r"pass the original itself, with every option at once"):
+            vjpkit.from_torch(made, mode=mode)
+
+
+def test_a_torch_tensor_argument_is_refused_naming_its_position():
+    with pytest.raises(TypeError, match=r"TMul \(vjpkit\.from_torch\) got a torch\.Tensor in argument 1: it takes "
+                                        r"JAX or NumPy arrays"):
+        vjpkit.from_torch(TMul).apply(np.ones(3), torch.ones(3))
 
 
 SHARDED_SCRIPT = """

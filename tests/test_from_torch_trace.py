@@ -187,6 +187,24 @@ def test_traced_callable_keeps_torchs_type_promotion():
     np.testing.assert_allclose(halves, np.array([0.0, -0.5, 1.0]))  # int / int is true division
 
 
+def test_traced_callable_one_hot_equals_jax_one_hot():
+    indices = np.array([[0, 3], [2, 1]], np.int32)
+    hot = vjpkit.from_torch(lambda i: torch.nn.functional.one_hot(i.long(), num_classes=4).float(), mode="trace")
+    assert no_callback(hot, indices)
+    np.testing.assert_array_equal(hot(indices), jax.nn.one_hot(indices, 4))
+
+
+def test_traced_callable_runs_torch_functional_einsum_and_split():
+    def halves_product(x):
+        a, b = torch.split(x, 2, dim=-1)
+        return torch.einsum("ij,ij->i", a, b)
+
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    traced = vjpkit.from_torch(halves_product, mode="trace")
+    assert no_callback(traced, x)
+    np.testing.assert_allclose(traced(x), (x[:, :2] * x[:, 2:]).sum(-1))
+
+
 def test_traced_callable_in_place_ops_on_a_local_tensor_are_functional_updates():
     def clipped(x):
         y = x.clone()
@@ -256,3 +274,68 @@ def test_auto_callable_falls_back_when_it_reads_a_value():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match=r"mode must be one of 'callback', 'trace', 'auto', got 'jit'"):
         vjpkit.from_torch(TorchExp, mode="jit")
+
+
+# ---------------------------------------------------------------------------
+# Trace mode's caches: keyed by everything a trace depends on, emptied by vjpkit.clear_caches().
+
+
+def test_traced_callable_static_output_belongs_to_its_own_shape():
+    sized = vjpkit.from_torch(lambda x: (x * 2, x.shape[0]), mode="trace")
+    assert [sized(np.ones(n, np.float32))[1] for n in (2, 3, 2)] == [2, 3, 2]
+
+
+def test_traced_callable_static_1_1_0_true_and_minus_zero_are_different_traces():
+    filled = vjpkit.from_torch(lambda x, c: (x * 2, torch.full(x.shape, c)), mode="trace")
+    got = [filled(X, c)[1] for c in (1, 1.0, True, 0.0, -0.0, 1)]
+    assert [g.dtype for g in got] == [np.int32, np.float32, np.bool_, np.float32, np.float32, np.int32]
+    assert [bool(np.signbit(g[0])) for g in got[3:5]] == [False, True]
+
+
+def test_traced_callable_follows_x64(x64):
+    doubled = vjpkit.from_torch(lambda x: x * 2, mode="trace")
+    assert doubled(X.astype(np.float64)).dtype == np.float64
+    with vjpkit._jax_internals.enable_x64(False):
+        assert doubled(X.astype(np.float64)).dtype == np.float32
+
+
+def test_auto_chooses_per_signature_trace_for_one_and_callbacks_for_another():
+    reads_long_inputs = vjpkit.from_torch(lambda x: x * 2 if x.shape[0] < 4 else x * float(x.sum()), mode="auto")
+    short, long = np.ones(3, np.float32), np.ones(5, np.float32)
+    for _ in range(2):
+        assert no_callback(reads_long_inputs, short)
+        assert not no_callback(reads_long_inputs, long)
+    np.testing.assert_allclose(reads_long_inputs(long), long * 5)
+
+
+def test_clear_caches_empties_trace_modes_caches():
+    runs = []
+
+    def counted(x):
+        runs.append(1)
+        return x * 2
+
+    for mode in ("trace", "auto"):
+        fn = vjpkit.from_torch(counted, mode=mode)
+        fn(X)
+        first = len(runs)  # trace mode: one run; auto: its choice's too (how many depends on JAX's caches)
+        fn(X)
+        assert len(runs) == first
+        vjpkit.clear_caches()
+        fn(X)
+        assert len(runs) > first
+
+
+def test_clear_caches_empties_the_callback_routes_programs():
+    on_meta = []
+
+    def counted(x):
+        on_meta.append(x.is_meta)  # from_torch runs the original on meta tensors to learn its outputs
+        return x * 2
+
+    fn = vjpkit.from_torch(counted)
+    fn(X), fn(X)
+    assert on_meta.count(True) == 1
+    vjpkit.clear_caches()
+    fn(X)
+    assert on_meta.count(True) == 2

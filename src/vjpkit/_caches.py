@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 _CLEARS: list[Callable[[], None]] = []
@@ -27,3 +28,27 @@ def clear_caches() -> None:
     """
     for clear in _CLEARS:
         clear()
+
+
+class Table(dict):
+    """A dict cache that ``clear_caches`` empties, for as long as its owner keeps it (``table()``)."""
+
+    # By identity (a dict compares by contents): two empty tables are two entries of the weak set.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+
+_TABLES: weakref.WeakSet[Table] = weakref.WeakSet()
+
+
+def table() -> Table:
+    """A new dict cache, registered with ``clear_caches`` (held weakly: it lives as long as its owner)."""
+    new = Table()
+    _TABLES.add(new)
+    return new
+
+
+@on_clear
+def _clear_tables() -> None:
+    for cache in list(_TABLES):
+        cache.clear()

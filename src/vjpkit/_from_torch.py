@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from . import _sharding
+from . import _caches, _sharding
 from ._ctx import FunctionCtx
 from ._function import Function
 from ._host import _pure_callback
@@ -91,56 +91,34 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
     if mode not in _MODES:
         raise ValueError(f"vjpkit.from_torch: mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}.")
     torch = _import_torch()
-    if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
-        if mode == "callback":
-            return _from_function_class(torch, obj, copy_inputs, reentrant)
-        return _traced_function_class(torch, obj, copy_inputs, reentrant, mode)
-    if isinstance(obj, type) and issubclass(obj, Function):
+    if getattr(obj, "_vjpkit_from_torch", False):
+        name = getattr(obj, "__name__", type(obj).__name__)
+        raise TypeError(
+            f"vjpkit.from_torch({name}): {name} is already what vjpkit.from_torch made, a function of JAX "
+            "arrays; pass the original itself, with every option at once: "
+            "vjpkit.from_torch(original, mode=..., reentrant=..., copy_inputs=...)."
+        )
+    is_class = isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
+    if not is_class and isinstance(obj, type) and issubclass(obj, Function):
         raise TypeError(
             f"vjpkit.from_torch({obj.__name__}): {obj.__name__} is already a vjpkit Function; "
             f"call {obj.__name__}.apply directly."
         )
-    if not callable(obj):
+    if not is_class and not callable(obj):
         raise TypeError(
             f"vjpkit.from_torch expects a torch.autograd.Function subclass or a callable of "
             f"tensors, got {type(obj).__name__}."
         )
+    callbacks = functools.partial(_from_function_class if is_class else _from_callable, torch, obj, copy_inputs,
+                                  reentrant)
     if mode == "callback":
-        return _from_callable(torch, obj, copy_inputs, reentrant)
+        return callbacks()
     from . import _torch_trace
 
-    name = getattr(obj, "__name__", type(obj).__name__).replace("<lambda>", "lambda")
-    traced = _torch_trace.trace_callable(obj, name)
-    if mode == "auto":
-        traced = _torch_trace.auto(traced, _from_callable(torch, obj, copy_inputs, reentrant), name)
-    traced = functools.wraps(obj)(traced)
-    traced._vjpkit_from_torch = True  # type: ignore[attr-defined]
-    return traced
+    return _torch_trace.traced(obj, mode, callbacks)
 
 
 _MODES = ("callback", "trace", "auto")
-
-
-def _traced_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: bool, mode: str) -> Any:
-    """``from_torch(cls, mode="trace")``, or ``"auto"``: the class's methods as JAX operations."""
-    from . import _torch_trace
-
-    base = torch.autograd.Function
-    new_style = _defines(cls, base, "setup_context")
-    if new_style and (_defines(cls, base, "vmap") or getattr(cls, "generate_vmap_rule", False)):
-        if mode == "auto":
-            return _from_function_class(torch, cls, copy_inputs, reentrant)
-        raise _torch_trace.Untraceable(f"{cls.__name__}.vmap", "is torch's batching rule; trace mode batches "
-                                       "the traced operations and would ignore it (use mode='callback' or 'auto')")
-    params = list(inspect.signature(cls.forward).parameters.values())[0 if new_style else 1:]
-    backward = cls.backward if _defines(cls, base, "backward") else None
-    traced = _torch_trace.trace_function_class(
-        cls, params, new_style=new_style, has_backward=backward is not None, has_jvp=_defines(cls, base, "jvp"),
-        once=backward is not None and _is_torch_once_differentiable(backward))
-    if mode == "trace":
-        return traced
-    callback = _from_function_class(torch, cls, copy_inputs, reentrant)
-    return _torch_trace.Either(cls.__name__, _torch_trace.auto(traced.apply, callback.apply, cls.__name__))
 
 
 def _import_torch() -> Any:
@@ -160,11 +138,11 @@ def _import_torch() -> Any:
 def _from_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: bool) -> Any:
     base = torch.autograd.Function
     name = cls.__name__
-    new_style = _defines(cls, base, "setup_context")
+    new_style = defines(cls, base, "setup_context")
     params = list(inspect.signature(cls.forward).parameters.values())
     if not new_style:
         params = params[1:]  # forward(ctx, ...)
-    backward = cls.backward if _defines(cls, base, "backward") else None
+    backward = cls.backward if defines(cls, base, "backward") else None
     origin = _Origin(
         torch=torch,
         name=name,
@@ -175,9 +153,9 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: boo
         copy_inputs=copy_inputs,
         reentrant=reentrant,
         # torch.func.vmap runs the class's own batching rule; it needs setup_context.
-        batching_rule=new_style and (_defines(cls, base, "vmap") or bool(getattr(cls, "generate_vmap_rule", False))),
-        has_jvp=_defines(cls, base, "jvp"),
-        once=backward is not None and _is_torch_once_differentiable(backward),
+        batching_rule=new_style and (defines(cls, base, "vmap") or bool(getattr(cls, "generate_vmap_rule", False))),
+        has_jvp=defines(cls, base, "jvp"),
+        once=backward is not None and is_torch_once_differentiable(backward),
     )
     return _level_zero_class(origin, differentiable=backward is not None, doc=cls.__doc__)
 
@@ -209,11 +187,11 @@ def _from_callable(torch: Any, fn: Callable, copy_inputs: bool, reentrant: bool)
     return call
 
 
-def _defines(cls: type, base: type, method: str) -> bool:
+def defines(cls: type, base: type, method: str) -> bool:
     return getattr(cls, method, None) is not getattr(base, method, None)
 
 
-def _is_torch_once_differentiable(backward: Any) -> bool:
+def is_torch_once_differentiable(backward: Any) -> bool:
     """torch.autograd.function.once_differentiable leaves no marker but its wrapper's code."""
     code = getattr(backward, "__code__", None)
     return (code is not None and hasattr(backward, "__wrapped__")
@@ -245,9 +223,12 @@ class _Origin:
 
 
 def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None) -> Any:
-    programs: dict[Any, _Program] = {}  # per static signature, as vjpkit's own cache
+    # Per static part and (shape, dtype) of each array: torch's output kinds depend on nothing else
+    # (the dtypes are JAX's canonical ones, so x64 is in them).
+    programs: dict[Any, _Program] = _caches.table()
 
     def program_for(values: tuple) -> tuple[_Program, list]:
+        _refuse_torch_tensors(origin, values)
         layout, arrays = partition(values, is_array, by_value=True)
         kinds = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
         key = (layout, kinds)
@@ -303,6 +284,16 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None)
     return type(origin.name, (Function,), namespace)
 
 
+def _refuse_torch_tensors(origin: _Origin, values: tuple) -> None:
+    """A torch tensor among the arguments would be a static one, handed as is to every run of the original."""
+    for k, value in enumerate(values):
+        if any(isinstance(leaf, origin.torch.Tensor) for leaf in jax.tree_util.tree_leaves(value)):
+            raise TypeError(
+                f"{origin.name} (vjpkit.from_torch) got a torch.Tensor in argument {k}: it takes JAX or NumPy "
+                "arrays (jnp.asarray(t.numpy()), or call the original directly on torch tensors)."
+            )
+
+
 # ---------------------------------------------------------------------------
 # A torch computation of flat tensors, and its derivatives.
 
@@ -325,7 +316,7 @@ class _Program:
         self.out_layout: Partition = partition(list(range(len(out_kinds))), lambda _: True)[0]
         self.single_output = False
         self.layout: Partition = partition(list(range(len(in_kinds))), lambda _: True)[0]
-        self._vjps: dict[tuple, Any] = {}
+        self._vjps: dict[tuple, Any] = _caches.table()
 
     @classmethod
     def original(cls, origin: _Origin, layout: Partition, in_kinds: tuple) -> _Program:

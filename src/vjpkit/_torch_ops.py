@@ -479,6 +479,11 @@ RULES["torch.scatter"] = RULES["torch.Tensor.scatter"] = _scatter_rule(False)
 RULES["torch.scatter_add"] = RULES["torch.Tensor.scatter_add"] = _scatter_rule(True)
 
 
+@_rule("one_hot", functional=True, method=False, function=False)
+def _one_hot(out: Any, tensor: Any, num_classes: int = -1) -> Any:
+    return jax.nn.one_hot(tensor, out.shape[-1], dtype=jax_dtype(out.dtype))  # torch's meta run knows the width
+
+
 @_rule("index_select")
 def _index_select(out: Any, input: Any, dim: int, index: Any) -> Any:
     return jnp.take(input, index, axis=dim)
@@ -576,3 +581,8 @@ def _install_comparisons() -> None:
 
 
 _install_comparisons()
+
+# torch.einsum, torch.split and torch.norm are Python functions of torch/functional.py: resolve_name says so.
+for _name in ("einsum", "split", "norm"):
+    RULES[f"torch.functional.{_name}"] = RULES[f"torch.{_name}"]
+VIEWS.add("torch.functional.split")

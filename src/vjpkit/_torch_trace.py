@@ -29,6 +29,7 @@ need aliasing and raises ``Untraceable``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable, Iterator
 
@@ -38,13 +39,15 @@ import numpy as np
 import torch
 from torch.overrides import resolve_name
 
+from . import _caches, _jax_internals
 from ._ctx import FunctionCtx
+from ._from_torch import defines, is_torch_once_differentiable
 from ._function import Function
 from ._once import once_differentiable
 from ._torch_ops import RULES, VIEWS, Untraceable, jax_dtype, set_item
 from ._tree import is_array, partition
 
-__all__ = ["Either", "TracedTensor", "Untraceable", "auto", "trace_callable", "trace_function_class"]
+__all__ = ["Either", "TracedTensor", "Untraceable", "auto", "trace_callable", "trace_function_class", "traced"]
 
 # Tensor members that read metadata only: answered by the meta tensor underneath.
 _METADATA = {f"torch.Tensor.{name}" for name in (
@@ -426,6 +429,33 @@ def running(where: str, grad: bool) -> Iterator[None]:
 # The fronts.
 
 
+def traced(obj: Any, mode: str, callbacks: Callable[[], Any]) -> Any:
+    """``from_torch(obj, mode="trace")``, or ``"auto"`` (``callbacks()``: ``obj`` by host callbacks)."""
+    if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)):
+        name = getattr(obj, "__name__", type(obj).__name__).replace("<lambda>", "lambda")
+        fn = trace_callable(obj, name)
+        if mode == "auto":
+            fn = auto(fn, callbacks(), name)
+        fn = functools.wraps(obj)(fn)
+        fn._vjpkit_from_torch = True  # type: ignore[attr-defined]
+        return fn
+    base = torch.autograd.Function
+    new_style = defines(obj, base, "setup_context")
+    if new_style and (defines(obj, base, "vmap") or getattr(obj, "generate_vmap_rule", False)):
+        if mode == "auto":
+            return callbacks()
+        raise Untraceable(f"{obj.__name__}.vmap", "is torch's batching rule; trace mode batches the traced "
+                          "operations and would ignore it (use mode='callback' or 'auto')")
+    params = list(inspect.signature(obj.forward).parameters.values())[0 if new_style else 1:]
+    backward = obj.backward if defines(obj, base, "backward") else None
+    cls = trace_function_class(
+        obj, params, new_style=new_style, has_backward=backward is not None, has_jvp=defines(obj, base, "jvp"),
+        once=backward is not None and is_torch_once_differentiable(backward))
+    if mode == "trace":
+        return cls
+    return Either(obj.__name__, auto(cls.apply, callbacks().apply, obj.__name__))
+
+
 def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backward: bool, has_jvp: bool,
                          once: bool) -> Any:
     """A vjpkit Function class running ``cls``'s methods as JAX operations."""
@@ -466,9 +496,21 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
     return type(name, (Function,), namespace)
 
 
+def signature(layout: Any, arrays: list) -> tuple:
+    """What a trace of the original on a call depends on: the static part (its values by type and bits),
+    each array's shape, dtype and weak type, and JAX's trace configuration (x64, matmul precision, ...)."""
+    kinds = tuple((tuple(np.shape(a)), np.dtype(a.dtype), bool(getattr(getattr(a, "aval", None), "weak_type", False)))
+                  for a in arrays)
+    return layout, kinds, _jax_internals.trace_configuration()
+
+
 def trace_callable(fn: Callable, name: str) -> Callable:
-    """A jitted JAX function running ``fn`` on stand-ins; JAX differentiates its operations."""
-    compiled: dict[Any, tuple[Callable, dict]] = {}
+    """A jitted JAX function running ``fn`` on stand-ins; JAX differentiates its operations.
+
+    One ``jax.jit`` per ``signature``: the output's structure and static leaves, found while tracing,
+    belong to that trace alone.
+    """
+    compiled: dict[Any, tuple[Callable, dict]] = _caches.table()
 
     def program(layout: Any) -> tuple[Callable, dict]:
         outputs: dict[str, Any] = {}  # the output's structure and static leaves, found while tracing
@@ -486,9 +528,10 @@ def trace_callable(fn: Callable, name: str) -> Callable:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         layout, arrays = partition((args, kwargs), is_array, by_value=True)
-        entry = compiled.get(layout)
+        key = signature(layout, arrays)
+        entry = compiled.get(key)
         if entry is None:
-            entry = compiled[layout] = program(layout)
+            entry = compiled[key] = program(layout.snapshot())
         run, outputs = entry
         leaves = run(*arrays)
         return outputs["layout"].combine(leaves)
@@ -503,11 +546,11 @@ def auto(traced: Callable, callback: Callable, name: str) -> Callable:
     vector-Jacobian product with respect to every floating input, on
     shapes only (``jax.eval_shape``).
     """
-    chosen: dict[Any, Callable] = {}
+    chosen: dict[Any, Callable] = _caches.table()
 
     def call(*args: Any, **kwargs: Any) -> Any:
         layout, arrays = partition((args, kwargs), is_array, by_value=True)
-        key = (layout, tuple((tuple(np.shape(a)), jnp.result_type(a)) for a in arrays))
+        key = signature(layout, arrays)
         fn = chosen.get(key)
         if fn is None:
             fn = chosen[key] = traced if _traces(traced, layout, arrays) else callback

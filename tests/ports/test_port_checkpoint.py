@@ -81,7 +81,7 @@ def checkpointed_block(x, w1, w2):
 
 
 # reentrant=True: PyTorch's CheckpointFunction refuses torch.autograd.grad (it needs .backward()).
-FROM_TORCH_CASES = [dict(original=vjpkit.from_torch(torch_checkpointed_block, reentrant=True), port=checkpointed_block,
+FROM_TORCH_CASES = [dict(original=torch_checkpointed_block, from_torch=dict(reentrant=True), port=checkpointed_block,
                          args=(X, PARAMS["w1"], PARAMS["w2"]), in_axes=(0, None, None),
                          vmap_args=(X[:, None, :], PARAMS["w1"], PARAMS["w2"]))]
 

@@ -37,8 +37,6 @@ from megatron_port import (
 )
 from port_checks import skip_where_this_jax_lacks_it
 
-import vjpkit
-
 SCRIPT = pathlib.Path(__file__).with_name("megatron_script.py")
 MAPPINGS = [
     "copy_to_model_parallel_region",  # identity forward, all-reduce backward
@@ -119,7 +117,7 @@ X = np.random.default_rng(10).standard_normal((1, 3, 8))  # the one rank's block
 FROM_TORCH_CASES = [
     # copy_inputs: the all-reduce writes into its input in place, past torch's version counter (which
     # from_torch checks); on a group of more than one rank it would write into JAX's buffer.
-    dict(original=vjpkit.from_torch(original, copy_inputs=True), port=on_one_rank(port), args=(X,), in_axes=(1,),
+    dict(original=original, from_torch=dict(copy_inputs=True), port=on_one_rank(port), args=(X,), in_axes=(1,),
          vmap_args=(X[:, :, None],), process_group=True)
     for original, port in [(TorchDistCopyToModelParallelRegion, CopyToModelParallelRegion),
                            (TorchDistReduceFromModelParallelRegion, ReduceFromModelParallelRegion),
