@@ -204,12 +204,8 @@ class OwnDerivative:
             # hold: jvp runs inline, where that tracer lives, and reverse mode transposes it (a custom_jvp's way).
             return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
 
-        shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
-        gradient_shardings = [shardings[d] for d in self.linear]
-
         def backward_rule(residuals: tuple, cotangents: tuple) -> list:
-            # Under Explicit mesh axes the zeros for absent gradients are typed as their inputs too.
-            return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), gradient_shardings)
+            return self.apply_backward(residuals, cotangents)
 
         backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
         if spec.jvp is not None:
@@ -233,7 +229,16 @@ class OwnDerivative:
         return self.runner.run_jvp(self.meta, residuals, self.out_layout, self.in_avals, self.linear, linear)
 
     def apply_backward(self, residuals: tuple, cotangents: tuple) -> list:
-        """Input cotangents (linear inputs) from output cotangents: user's backward."""
+        """Input cotangents (linear inputs) from output cotangents: user's backward.
+
+        Under Explicit mesh axes it runs with them switched to Auto, and each
+        gradient (the zeros for an absent one too) is typed as its input.
+        """
+        shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
+        gradient_shardings = [shardings[d] for d in self.linear]
+        return _sharding.call_with_auto_axes(self._backward, (residuals, cotangents), gradient_shardings)
+
+    def _backward(self, residuals: tuple, cotangents: tuple) -> list:
         full: list = [SymbolicZero(None)] * len(self.meta.out_avals)  # type: ignore[arg-type]  # absent
         for j, ct in zip(self.outputs, cotangents, strict=True):
             if ct is not None:
