@@ -123,15 +123,17 @@ class Program:
         linear = [d for d, p in enumerate(perturbed) if p]
         own = OwnDerivative(self, residuals.meta, packed.layout, in_avals, linear, first_order=True)
 
-        tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
+        computed: dict = {}  # output position -> its tangent
         if linear and own.outputs:
             # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
             out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
             of = [arrays[d] for d in linear] + [packed.arrays[j] for j in own.outputs]  # the primals of both
-            computed = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types, of)
-            for j, t in zip(own.outputs, computed, strict=True):
-                tangents_out[j] = t
-        return packed, Packed(tuple(tangents_out), packed.layout)
+            tangents_of = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types, of)
+            computed = dict(zip(own.outputs, tangents_of, strict=True))
+        tangents_out = tuple(
+            computed[j] if j in computed else _jax_internals.symbolic_zero_like(a) for j, a in enumerate(packed.arrays)
+        )
+        return packed, Packed(tangents_out, packed.layout)
 
     # -- the tie's derivative ----------------------------------------------
 
