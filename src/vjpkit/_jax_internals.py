@@ -181,12 +181,19 @@ _JaxprTrace = _require(_pe, "JaxprTrace", "jax._src.interpreters.partial_eval")
 _JaxprTracer = _require(_pe, "JaxprTracer", "jax._src.interpreters.partial_eval")
 
 
-def _enclosing_traces() -> Any:
-    """The current trace, then each one it was started under (every supported JAX links ``parent_trace``)."""
+def _enclosing_trace(kind: Any) -> Any:
+    """The innermost active trace of type ``kind``, or None.
+
+    It looks at the current trace, then each one it was started under (every
+    supported JAX links ``parent_trace``): a plain loop, since this runs on
+    every call on tracers.
+    """
     trace = _trace_ctx.trace
     while trace is not None:
-        yield trace
+        if isinstance(trace, kind):
+            return trace
         trace = getattr(trace, "parent_trace", None)
+    return None
 
 
 def is_staging() -> bool:
@@ -196,7 +203,7 @@ def is_staging() -> bool:
     nested call in the program (extra HLO instructions); under a staging
     trace vjpkit calls its ``custom_jvp`` directly so it inlines instead.
     """
-    return any(isinstance(trace, _DynamicJaxprTrace) for trace in _enclosing_traces())
+    return _enclosing_trace(_DynamicJaxprTrace) is not None
 
 
 def on_primal_trace(primals: Sequence[Any]) -> Any:
@@ -292,10 +299,10 @@ def differentiation(caller: Literal["custom_jvp rule", "apply"]) -> str | None:
     ``jax.linearize`` from reverse mode (JAX 0.7 and 0.8), it says ``"vjp"``.
     """
     if caller == "apply":
-        for trace in _enclosing_traces():
-            if isinstance(trace, _LinearizeTrace):
-                return "vjp" if getattr(trace, "is_vjp", True) else "linearize"
-        return None
+        trace = _enclosing_trace(_LinearizeTrace)
+        if trace is None:
+            return None
+        return "vjp" if getattr(trace, "is_vjp", True) else "linearize"
     # A primitive bound in a custom_jvp rule.
     callers = _frames_from(sys._getframe(1))
     if _direct_linearize.value:  # reverse mode and jax.linearize run the rule from a LinearizeTrace method
@@ -606,12 +613,7 @@ def is_batching() -> bool:
     primals' batch axes (``_program.py``). Every supported JAX chains traces
     through ``parent_trace``.
     """
-    trace = _trace_ctx.trace
-    while trace is not None:
-        if isinstance(trace, _BatchTrace):
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
+    return _enclosing_trace(_BatchTrace) is not None
 
 
 def _code_in(wrapper: Any, name: str, where: str) -> Any:

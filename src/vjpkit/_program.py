@@ -123,15 +123,17 @@ class Program:
         linear = [d for d, p in enumerate(perturbed) if p]
         own = OwnDerivative(self, residuals.meta, packed.layout, in_avals, linear, first_order=True)
 
-        tangents_out: list = [_jax_internals.symbolic_zero_like(a) for a in packed.arrays]
+        computed: dict = {}  # output position -> its tangent
         if linear and own.outputs:
             # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
             out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
             of = [arrays[d] for d in linear] + [packed.arrays[j] for j in own.outputs]  # the primals of both
-            computed = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types, of)
-            for j, t in zip(own.outputs, computed, strict=True):
-                tangents_out[j] = t
-        return packed, Packed(tuple(tangents_out), packed.layout)
+            tangents_of = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types, of)
+            computed = dict(zip(own.outputs, tangents_of, strict=True))
+        tangents_out = tuple(
+            computed[j] if j in computed else _jax_internals.symbolic_zero_like(a) for j, a in enumerate(packed.arrays)
+        )
+        return packed, Packed(tangents_out, packed.layout)
 
     # -- the tie's derivative ----------------------------------------------
 
@@ -204,12 +206,8 @@ class OwnDerivative:
             # hold: jvp runs inline, where that tracer lives, and reverse mode transposes it (a custom_jvp's way).
             return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
 
-        shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
-        gradient_shardings = [shardings[d] for d in self.linear]
-
         def backward_rule(residuals: tuple, cotangents: tuple) -> list:
-            # Under Explicit mesh axes the zeros for absent gradients are typed as their inputs too.
-            return _sharding.call_with_auto_axes(self.apply_backward, (residuals, cotangents), gradient_shardings)
+            return self.apply_backward(residuals, cotangents)
 
         backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
         if spec.jvp is not None:
@@ -233,7 +231,16 @@ class OwnDerivative:
         return self.runner.run_jvp(self.meta, residuals, self.out_layout, self.in_avals, self.linear, linear)
 
     def apply_backward(self, residuals: tuple, cotangents: tuple) -> list:
-        """Input cotangents (linear inputs) from output cotangents: user's backward."""
+        """Input cotangents (linear inputs) from output cotangents: user's backward.
+
+        Under Explicit mesh axes it runs with them switched to Auto, and each
+        gradient (the zeros for an absent one too) is typed as its input.
+        """
+        shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
+        gradient_shardings = [shardings[d] for d in self.linear]
+        return _sharding.call_with_auto_axes(self._backward, (residuals, cotangents), gradient_shardings)
+
+    def _backward(self, residuals: tuple, cotangents: tuple) -> list:
         full: list = [SymbolicZero(None)] * len(self.meta.out_avals)  # type: ignore[arg-type]  # absent
         for j, ct in zip(self.outputs, cotangents, strict=True):
             if ct is not None:

@@ -460,16 +460,9 @@ class Runner:
 
         ``cotangents`` has one entry per array output, a ``SymbolicZero``
         where JAX passes none; backward receives zeros there, or None when
-        forward turned materialization off (PyTorch's rule). Under Explicit
-        mesh axes backward runs with them Auto, each gradient typed as its input.
+        forward turned materialization off (PyTorch's rule). The caller
+        (``OwnDerivative.apply_backward``) switches Explicit mesh axes to Auto.
         """
-        return _sharding.call_with_auto_axes(
-            self._run_backward,
-            (residuals, out_layout, cotangents),
-            _sharding.gradient_shardings(residuals.meta.in_kinds),
-        )
-
-    def _run_backward(self, residuals: Residuals, out_layout: Partition, cotangents: Sequence[Any]) -> list:
         meta = residuals.meta
         if not any(meta.differentiable):
             # No output carries a gradient, so none flows back: PyTorch never calls
