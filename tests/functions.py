@@ -284,6 +284,24 @@ class Linear(vjpkit.Function):
         return g @ w, g.T @ x
 
 
+class LinearFunction(vjpkit.Function):
+    """y = x @ w.T + b, PyTorch's LinearFunction as the README ports it (bias defaults to None)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b=None):
+        ctx.save_for_backward(x, w, b)
+        y = x @ w.T
+        return y if b is None else y + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, b = ctx.saved_tensors
+        gx = g @ w if ctx.needs_input_grad[0] else None
+        gw = g.T @ x if ctx.needs_input_grad[1] else None
+        gb = g.sum(0) if b is not None and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
 class LinearWithJvp(Linear):
     """Linear with a jvp too (backward is Linear's)."""
 

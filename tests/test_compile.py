@@ -396,24 +396,6 @@ def test_program_dropped_from_the_cache_is_freed_with_the_jitted_gradient_that_t
     assert _alive_programs_of(Scale) == 1
 
 
-class _Linear(vjpkit.Function):
-    """README's LinearFunction."""
-
-    @staticmethod
-    def forward(ctx, x, w, b=None):
-        ctx.save_for_backward(x, w, b)
-        y = x @ w.T
-        return y if b is None else y + b
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w, b = ctx.saved_tensors
-        gx = g @ w if ctx.needs_input_grad[0] else None
-        gw = g.T @ x if ctx.needs_input_grad[1] else None
-        gb = g.sum(0) if b is not None and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
-
-
 @jax.custom_vjp
 def _hand_written_linear(x, w):
     return x @ w.T
@@ -439,6 +421,6 @@ def test_a_traced_gradient_has_the_hand_written_custom_vjps_equations_and_one_ti
     def equations(linear):
         return jax.make_jaxpr(jax.value_and_grad(lambda x, w: linear(x, w).sum(), (0, 1)))(x, w).jaxpr.eqns
 
-    ours, theirs = equations(_Linear.apply), equations(_hand_written_linear)
+    ours, theirs = equations(functions.LinearFunction.apply), equations(_hand_written_linear)
     assert [e.primitive.name for e in ours if e.primitive.name != "vjpkit_tie"] == [e.primitive.name for e in theirs]
     assert len(ours) == len(theirs) + 1

@@ -9,6 +9,7 @@ saved tanh(x) is treated as a constant, so the second derivative is zero).
 import chex
 import jax
 import jax.numpy as jnp
+from functions import LinearFunction as Linear
 from functions import Tanh  # saves its output for backward
 from jax import export  # a submodule JAX before 0.5 does not import by itself
 
@@ -16,24 +17,6 @@ import vjpkit
 
 X = jnp.array([0.5, -1.0, 2.0])
 BATCH = jnp.array([[0.5, -1.0, 2.0], [0.1, 0.2, -0.3], [1.5, -0.5, 0.0], [2.0, 1.0, -2.0]])
-
-
-class Linear(vjpkit.Function):
-    """y = x @ w.T + b, PyTorch's LinearFunction."""
-
-    @staticmethod
-    def forward(ctx, x, w, b=None):
-        ctx.save_for_backward(x, w, b)
-        y = x @ w.T
-        return y if b is None else y + b
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w, b = ctx.saved_tensors
-        gx = g @ w if ctx.needs_input_grad[0] else None
-        gw = g.T @ x if ctx.needs_input_grad[1] else None
-        gb = g.sum(0) if b is not None and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
 
 
 class SinCos(vjpkit.Function):
