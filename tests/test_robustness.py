@@ -4,6 +4,7 @@ failing clearly when used.
 """
 
 import gc
+import itertools
 import threading
 import time
 import tracemalloc
@@ -91,7 +92,12 @@ def test_eight_threads_of_mixed_calls_match_a_serial_run():
 
 
 def _scale(**options):
-    return functions.fresh(functions.Scale, **options)
+    # A name of its own: live programs are counted by name and forward, and other tests' Scale
+    # classes (which share forward) may have programs alive in this process.
+    return functions.fresh(functions.Scale, f"Scale{next(_SCALES)}", **options)
+
+
+_SCALES = itertools.count()
 
 
 def _alive_programs(cls) -> int:
