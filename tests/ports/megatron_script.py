@@ -33,15 +33,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from megatron_port import (  # noqa: E402
-    AXIS,
-    CopyToModelParallelRegion,
-    GatherFromModelParallelRegion,
-    ReduceFromModelParallelRegion,
-    ScatterToModelParallelRegion,
-    make_mesh,
-    shard_map,
-)
+from megatron_mappings import mappings  # noqa: E402
+from megatron_port import AXIS, MAPPINGS, make_mesh, shard_map  # noqa: E402
 
 # jax.enable_x64 or its older home; a script run in a subprocess has no pytest fixture.
 from vjpkit._jax_internals import enable_x64  # noqa: E402
@@ -70,44 +63,9 @@ def _gather_along_last_dim(x):
     return full.unsqueeze(0).expand(R, *full.shape).clone()
 
 
-class TorchCopyToModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return input_.clone()
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _reduce(grad_output)
-
-
-class TorchReduceFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return _reduce(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output
-
-
-class TorchScatterToModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return _split_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output)
-
-
-class TorchGatherFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return _gather_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _split_along_last_dim(grad_output)
+# Megatron's Functions over the simulated collectives (Megatron's copy returns its input; a clone here).
+ORIGINALS = mappings(torch.autograd.Function, "Torch", reduce=_reduce, split=_split_along_last_dim,
+                     gather=_gather_along_last_dim, copy=lambda input_: input_.clone())
 
 
 MESH = make_mesh(R)
@@ -128,12 +86,7 @@ def on_ranks(port):
     return fn
 
 
-PAIRS = {
-    "copy_to_model_parallel_region": (TorchCopyToModelParallelRegion, CopyToModelParallelRegion),
-    "reduce_from_model_parallel_region": (TorchReduceFromModelParallelRegion, ReduceFromModelParallelRegion),
-    "scatter_to_model_parallel_region": (TorchScatterToModelParallelRegion, ScatterToModelParallelRegion),
-    "gather_from_model_parallel_region": (TorchGatherFromModelParallelRegion, GatherFromModelParallelRegion),
-}
+PAIRS = {name: (ORIGINALS[name], port) for name, port in MAPPINGS.items()}
 X = np.random.default_rng(9).standard_normal((R, 3, 8))  # rank, tokens, hidden
 
 
