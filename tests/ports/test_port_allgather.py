@@ -13,11 +13,7 @@ mesh of one device; the script checks the port on 4 devices against the
 simulated original through ``from_torch`` too.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -45,11 +41,8 @@ FROM_TORCH_CASES = [dict(original=TorchDistributedAllGather, port=on_one_rank, a
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"allgather_script.py failed:\n{run.stdout}\n{run.stderr}"
-    return json.loads(run.stdout)
+def results(run_script):
+    return run_script(SCRIPT, devices=4)  # SCRIPT is an absolute path: not one of tests/scripts/
 
 
 def test_script_runs_every_case(results):
