@@ -13,17 +13,14 @@ and gives every rank the sum). The vjpkit side runs for real on R devices:
 ``jax.shard_map`` over the axis ``"tp"``, whose collectives are
 ``lax.psum`` and ``lax.all_gather``.
 
-Run by ``test_port_megatron.py`` in a subprocess, because the device count
-is fixed when JAX starts:
+``test_port_megatron.py`` runs it in a subprocess (the device count is fixed
+when JAX starts) and reads the JSON that ``collective_ports.report`` prints:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/ports/megatron_script.py
-
-Prints one JSON object: for each case, null when it passed, else the error.
 """
 
-import json
+import functools
 import os
-import traceback
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,6 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from collective_ports import report  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from megatron_mappings import mappings  # noqa: E402
 from megatron_port import AXIS, MAPPINGS, make_mesh, shard_map  # noqa: E402
@@ -125,16 +123,10 @@ def vmap_inside_shard_map_matches_loop(torch_fn, port):
 
 
 def main():
-    results = {}
-    for name, (torch_fn, port) in PAIRS.items():
-        for check in (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch, from_torch_matches_port,
-                      vmap_inside_shard_map_matches_loop):
-            try:
-                check(torch_fn, port)
-                results[f"{name}/{check.__name__}"] = None
-            except Exception:  # noqa: BLE001 - reported to the test
-                results[f"{name}/{check.__name__}"] = traceback.format_exc()
-    print(json.dumps(results))
+    checks = (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch, from_torch_matches_port,
+              vmap_inside_shard_map_matches_loop)
+    report((f"{name}/{check.__name__}", functools.partial(check, torch_fn, port))
+           for name, (torch_fn, port) in PAIRS.items() for check in checks)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from allgather_port import AXIS, AllGather, make_mesh, shard_map
 from jax.sharding import PartitionSpec as P
-from port_checks import skip_where_this_jax_lacks_it
+from port_checks import assert_script_check_passed
 from torch.distributed.nn.functional import _AllGather as TorchDistributedAllGather
 
 SCRIPT = pathlib.Path(__file__).with_name("allgather_script.py")
@@ -53,9 +53,7 @@ def test_script_runs_every_case(results):
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("path", PATHS)
 def test_all_gather(path, check, results):
-    error = results[f"{path}/{check}"]
-    skip_where_this_jax_lacks_it(error)
-    assert error is None, error
+    assert_script_check_passed(results, f"{path}/{check}")
 
 
 def test_the_gradient_of_a_ranks_own_slot_is_indexed_by_a_traced_rank(results):
