@@ -14,14 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from custom_api import check_remat_higher_order, close, grad_of_two_step_scan, in_one_step_scan, psum_over_vmap_axis
 from functions import SinJvpOnly
 from jax import lax
 
 import vjpkit
-
-
-def close(actual, expected, rtol=1e-6):
-    jax.tree_util.tree_map(lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-7), actual, expected)
 
 
 def sine_twice_cos() -> type:
@@ -204,12 +201,7 @@ def _three_x_jvp_two() -> type:
 
 def test_initial_style():
     # CustomJVPTest.test_initial_style
-    f = _three_x_jvp_two().apply
-
-    def foo(x):
-        out, _ = lax.scan(lambda c, _: (f(c), None), x, None, length=1)
-        return out
-
+    foo = in_one_step_scan(_three_x_jvp_two().apply)
     close(jax.grad(foo)(3.0), 2.0)
     close(jax.grad(jax.jit(foo))(3.0), 2.0)
     close(jax.jit(jax.grad(foo))(3.0), 2.0)
@@ -221,12 +213,7 @@ def test_initial_style():
 
 def test_initial_style_vmap():
     # CustomJVPTest.test_initial_style_vmap
-    f = _three_x_jvp_two().apply
-
-    def foo(x):
-        out, _ = lax.scan(lambda c, _: (f(c), None), x, None, length=1)
-        return out
-
+    foo = in_one_step_scan(_three_x_jvp_two().apply)
     ones = jnp.ones(3)
     close(jax.vmap(foo)(ones), 3.0 * ones)
     close(jax.vmap(jax.jit(foo))(ones), 3.0 * ones)
@@ -249,8 +236,7 @@ def test_initial_style_vmap_with_collective():
         def jvp(ctx, t):
             return t
 
-    summed = jax.vmap(lambda _, x: F.apply(x), axis_name="foo", in_axes=(0, None), out_axes=None)
-    close(summed(jnp.arange(4.0), jnp.float32(2.0)), 8.0)
+    close(psum_over_vmap_axis(F.apply), 8.0)
 
 
 def test_closed_over_tracers_error_message():
@@ -532,10 +518,7 @@ def test_linear_in_scan():
         def jvp(ctx, x_dot):
             return F.apply(x_dot)
 
-    def foo(x):
-        out, _ = lax.scan(lambda c, _: (F.apply(c), None), x, None, length=1)
-        return out
-
+    foo = in_one_step_scan(F.apply)
     close(jax.grad(foo)(3.0), -1.0)
 
 
@@ -685,12 +668,9 @@ def test_float0_initial_style():
         def jvp(ctx, t_x, t_y):
             return jnp.float32(2.0), None
 
-    def foo(x, y):
-        out, _ = lax.scan(lambda c, _: (F.apply(*c), None), (x, y), None, length=1)
-        return out
-
+    foo = in_one_step_scan(lambda x_y: F.apply(*x_y))
     scalar_float0 = np.zeros((), dtype=jax.dtypes.float0)
-    out, tangents = jax.jvp(foo, (jnp.float32(2.0), jnp.int32(3)), (jnp.ones(()), scalar_float0))
+    out, tangents = jax.jvp(lambda x, y: foo((x, y)), (jnp.float32(2.0), jnp.int32(3)), (jnp.ones(()), scalar_float0))
     close(out, (2.0, 3))
     close(tangents[0], 2.0)
     assert tangents[1].dtype == jax.dtypes.float0
@@ -710,14 +690,7 @@ def test_remat():
 
 def test_remat_higher_order():
     # CustomJVPTest.test_remat_higher_order
-    f = sine_twice_cos().apply
-
-    def g(x):
-        return f(f(x))
-
-    close(jax.grad(jax.grad(jax.checkpoint(g)))(2.0), jax.grad(jax.grad(g))(2.0))
-    close(jax.grad(jax.checkpoint(jax.grad(g)))(2.0), jax.grad(jax.grad(g))(2.0))
-    close(jax.grad(jax.grad(jax.grad(jax.checkpoint(g))))(2.0), jax.grad(jax.grad(jax.grad(g)))(2.0))
+    check_remat_higher_order(sine_twice_cos().apply)
 
 
 def test_initial_style_vmap_2():
@@ -734,10 +707,7 @@ def test_initial_style_vmap_2():
         def jvp(ctx, g):
             return 2 * g
 
-    def foo(x):
-        out, _ = lax.scan(lambda c, _: (F.apply(c), None), x, None, length=1)
-        return out
-
+    foo = in_one_step_scan(F.apply)
     ones = jnp.ones(3)
     close(jax.grad(lambda x: jax.vmap(foo)(x).sum())(ones), 2.0 * ones)
     close(jax.grad(lambda x: jax.vmap(jax.jit(foo))(x).sum())(ones), 2.0 * ones)
@@ -1014,16 +984,7 @@ def test_run_rules_more_than_once():
         def jvp(ctx, x_dot, _):
             return x_dot
 
-    def body(x_y, _):
-        x, y = x_y
-        return (F.apply(x, y), x), None
-
-    @jax.grad
-    def g(x):
-        (out, _), _ = lax.scan(body, (x, 1.0), xs=None, length=2)
-        return out
-
-    close(g(1.0), 1.0)
+    close(grad_of_two_step_scan(F.apply)(1.0), 1.0)
 
 
 def test_dce_symbolic_zeros():

@@ -11,15 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from custom_api import check_remat_higher_order, close, grad_of_two_step_scan, in_one_step_scan, psum_over_vmap_axis
 from functions import Identity, MulByScalar
 from jax import lax
 from jax.test_util import check_grads
 
 import vjpkit
-
-
-def close(actual, expected, rtol=1e-6):
-    jax.tree_util.tree_map(lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-7), actual, expected)
 
 
 def sine_twice_cos() -> type:
@@ -215,12 +212,7 @@ def test_kwargs():
 
 def test_initial_style():
     # CustomVJPTest.test_initial_style
-    f = sine_twice_cos().apply
-
-    def foo(x):
-        out, _ = lax.scan(lambda c, _: (f(c), None), x, None, length=1)
-        return out
-
+    foo = in_one_step_scan(sine_twice_cos().apply)
     close(jax.grad(foo)(3.0), 2.0 * jnp.cos(3.0))
     close(jax.grad(jax.grad(foo))(3.0), -2.0 * jnp.sin(3.0))
 
@@ -239,10 +231,7 @@ def test_initial_style_vmap():
             (cos_x,) = ctx.saved_tensors
             return 2 * cos_x * g
 
-    def foo(x):
-        out, _ = lax.scan(lambda c, _: (F.apply(c), None), x, None, length=1)
-        return out
-
+    foo = in_one_step_scan(F.apply)
     close(jax.vmap(foo)(jnp.arange(3.0)), 3.0 * jnp.arange(3.0))
     close(jax.grad(lambda x: jax.vmap(foo)(x).sum())(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
 
@@ -530,10 +519,7 @@ def test_initial_style_vmap_3():
             (cos_x,) = ctx.saved_tensors
             return 2 * cos_x * g
 
-    def foo(x):
-        out, _ = lax.scan(lambda c, _: (F.apply(c), None), x, None, length=1)
-        return out
-
+    foo = in_one_step_scan(F.apply)
     close(jax.vmap(foo)(jnp.arange(3.0)), 3.0 * jnp.arange(3.0) * 6)
     close(jax.grad(lambda x: jax.vmap(foo)(x).sum())(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
 
@@ -549,9 +535,7 @@ def test_initial_style_vmap_with_collective():
         def backward(ctx, dx):
             return dx
 
-    summed = jax.vmap(lambda _, x: F.apply(x), axis_name="foo", in_axes=(0, None), out_axes=None)
-    out = summed(jnp.arange(4.0), jnp.float32(2.0))
-    close(out, 8.0)
+    close(psum_over_vmap_axis(F.apply), 8.0)
 
 
 def test_bwd_closes_over_tracer():
@@ -628,11 +612,8 @@ def test_float0_initial_style():
             # vjpkit: a tuple output gives one gradient per element, and the tuple input takes a tuple back.
             return (jnp.float32(2.0), jnp.zeros((), dtype=jax.dtypes.float0))
 
-    def foo(x, y):
-        out, _ = lax.scan(lambda c, _: (F.apply(c), None), (x, y), None, length=1)
-        return out[0]
-
-    grads = jax.grad(foo, allow_int=True, argnums=(0, 1))(2.0, 3)
+    foo = in_one_step_scan(F.apply)
+    grads = jax.grad(lambda x, y: foo((x, y))[0], allow_int=True, argnums=(0, 1))(2.0, 3)
     close(grads[0], 2.0)
     assert grads[1].dtype == jax.dtypes.float0
 
@@ -714,15 +695,8 @@ def test_symbolic_zeros_nondiff_argnums():
 
 
 def test_remat_higher_order():
-    # CustomVJPTest.test_remat_higher_order
-    f = sine_twice_cos().apply
-
-    def g(x):
-        return f(f(x))
-
-    close(jax.grad(jax.grad(jax.remat(g)))(2.0), jax.grad(jax.grad(g))(2.0))
-    close(jax.grad(jax.remat(jax.grad(g)))(2.0), jax.grad(jax.grad(g))(2.0))
-    close(jax.grad(jax.grad(jax.grad(jax.remat(g))))(2.0), jax.grad(jax.grad(jax.grad(g)))(2.0))
+    # CustomVJPTest.test_remat_higher_order (jax.remat is jax.checkpoint)
+    check_remat_higher_order(sine_twice_cos().apply)
 
 
 def _x_sin_y() -> type:
@@ -1197,16 +1171,7 @@ def test_run_rules_more_than_once():
         def backward(ctx, ct):
             return ct, ct
 
-    def body(x_y, _):
-        x, y = x_y
-        return (F.apply(x, y), x), None
-
-    @jax.grad
-    def g(x):
-        (out, _), _ = lax.scan(body, (x, 1.0), xs=None, length=2)
-        return out
-
-    close(g(1.0), 2.0)
+    close(grad_of_two_step_scan(F.apply)(1.0), 2.0)
 
 
 def test_symbolic_zeros_remat():
