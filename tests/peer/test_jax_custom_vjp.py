@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from custom_api import check_remat_higher_order, close, grad_of_two_step_scan, in_one_step_scan, psum_over_vmap_axis
-from functions import Identity, MulByScalar
+from functions import Identity, Mul, MulByScalar
 from jax import lax
 from jax.test_util import check_grads
 
@@ -25,6 +25,7 @@ def sine_twice_cos() -> type:
     class SineTwiceCos(vjpkit.Function):
         @staticmethod
         def forward(ctx, x):
+            assert jnp.ndim(x) == 0  # test_vmap's check that vmap hands forward one example; the others pass scalars
             ctx.save_for_backward(jnp.cos(x))
             return jnp.sin(x)
 
@@ -126,19 +127,7 @@ def test_python_control_flow_bwd():
 
 def test_vmap():
     # CustomVJPTest.test_vmap
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            assert jnp.ndim(x) == 0
-            ctx.save_for_backward(jnp.cos(x))
-            return jnp.sin(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            (cos_x,) = ctx.saved_tensors
-            return 2 * cos_x * g
-
-    f = F.apply
+    f = sine_twice_cos().apply  # forward asserts that it sees a scalar
     x = jnp.arange(3.0)
     xx = jnp.arange(6.0).reshape(2, 3)
     close(jax.vmap(f)(x), jnp.sin(x))
@@ -394,11 +383,7 @@ def test_missing_vjp_rule_error():
 
 def test_vjp_rule_inconsistent_pytree_structures_error():
     # CustomVJPTest.test_vjp_rule_inconsistent_pytree_structures_error. vjpkit: extra gradients must be None.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
+    class F(Identity):  # forward returns its input
         @staticmethod
         def backward(ctx, g):
             return g, g
@@ -410,11 +395,7 @@ def test_vjp_rule_inconsistent_pytree_structures_error():
 
 def test_vjp_bwd_returns_non_tuple_error():
     # CustomVJPTest.test_vjp_bwd_returns_non_tuple_error. vjpkit: a bare array is the gradient of the only input.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
+    class F(Identity):  # forward returns its input
         @staticmethod
         def backward(ctx, g):
             return 2.0 * g
@@ -538,6 +519,15 @@ def test_initial_style_vmap_with_collective():
     close(psum_over_vmap_axis(F.apply), 8.0)
 
 
+def check_gradient_is_two_cos_y(f):
+    """test_bwd_closes_over_tracer's and test_fwd_closes_over_tracer's checks: f(y) = 2 cos(y), under transforms."""
+    close(jax.jit(f)(2.0), 2.0 * jnp.cos(2.0))
+    close(jax.vmap(f)(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
+    close(jax.jit(jax.vmap(f))(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
+    close(jax.vmap(jax.jit(f))(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
+    close(jax.grad(f)(4.0), -2.0 * jnp.sin(4.0))
+
+
 def test_bwd_closes_over_tracer():
     # CustomVJPTest.test_bwd_closes_over_tracer: the class is made inside the transformed function.
     def f(y):
@@ -552,11 +542,7 @@ def test_bwd_closes_over_tracer():
 
         return jax.grad(F.apply)(1.0)
 
-    close(jax.jit(f)(2.0), 2.0 * jnp.cos(2.0))
-    close(jax.vmap(f)(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
-    close(jax.jit(jax.vmap(f))(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
-    close(jax.vmap(jax.jit(f))(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
-    close(jax.grad(f)(4.0), -2.0 * jnp.sin(4.0))
+    check_gradient_is_two_cos_y(f)
 
 
 def test_fwd_closes_over_tracer():
@@ -575,20 +561,28 @@ def test_fwd_closes_over_tracer():
 
         return jax.grad(F.apply)(1.0)
 
-    close(jax.jit(f)(2.0), 2.0 * jnp.cos(2.0))
-    close(jax.vmap(f)(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
-    close(jax.jit(jax.vmap(f))(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
-    close(jax.vmap(jax.jit(f))(jnp.arange(3.0)), 2.0 * jnp.cos(jnp.arange(3.0)))
-    close(jax.grad(f)(4.0), -2.0 * jnp.sin(4.0))
+    check_gradient_is_two_cos_y(f)
+
+
+class _FirstInput(vjpkit.Function):
+    """JAX's f(x, y) = x, to which each test gives its own backward."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        return x
+
+
+class _FirstElement(vjpkit.Function):
+    """JAX's f(x) = x[0], to which each test gives its own backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x[0]
 
 
 def test_float0():
     # CustomVJPTest.test_float0: an integer input's backward slot may hold anything; it is dropped.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, _):
-            return x
-
+    class F(_FirstInput):  # forward(ctx, x, y) returns x
         @staticmethod
         def backward(ctx, g):
             # vjpkit: a gradient is an array (a Python float is refused, as in PyTorch); the int slot may hold 1.
@@ -602,11 +596,7 @@ def test_float0():
 
 def test_float0_initial_style():
     # CustomVJPTest.test_float0_initial_style: a (float, int) tuple input, inside a scan.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
+    class F(Identity):  # forward returns its input
         @staticmethod
         def backward(ctx, g_x, g_y):
             # vjpkit: a tuple output gives one gradient per element, and the tuple input takes a tuple back.
@@ -785,7 +775,9 @@ def test_float0_bwd_none():
 
 
 def test_custom_gradient():
-    # CustomVJPTest.test_custom_gradient: jax.custom_gradient's f(x) = x**2 with vjp g * x, as a Function.
+    # CustomVJPTest.test_custom_gradient: jax.custom_gradient's f(x) = x**2 with vjp g * x, as a Function. Also
+    # CustomVJPTest.test_custom_gradient_can_return_singleton_value_in_vjp: in vjpkit the same test (backward
+    # returns a bare array in both).
     class F(vjpkit.Function):
         @staticmethod
         def forward(ctx, x):
@@ -804,12 +796,7 @@ def test_custom_gradient():
 
 def test_custom_gradient_2():
     # CustomVJPTest.test_custom_gradient_2. JAX's vjp ignores g (returns (y, x)); so does this backward.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, y):
-            ctx.save_for_backward(x, y)
-            return x * y
-
+    class F(Mul):  # forward: x * y, saving both
         @staticmethod
         def backward(ctx, g):
             x, y = ctx.saved_tensors
@@ -892,11 +879,7 @@ def test_closure_convert_mixed_consts():
 
 def test_float0_cotangents_automatically_handled():
     # CustomVJPTest.test_float0_cotangents_automatically_handled: an int input's gradient 1 is dropped.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, y):
-            return x
-
+    class F(_FirstInput):  # forward(ctx, x, y) returns x
         @staticmethod
         def backward(ctx, zbar):
             return jnp.float32(0.0), 1  # vjpkit: the float gradient as an array
@@ -956,11 +939,7 @@ def test_pytrees_not_required_to_contain_nones():
 
     jax.tree_util.register_pytree_node(A, lambda x: (x, None), unflatten)
 
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x[0]
-
+    class F(_FirstElement):  # forward returns x[0]
         @staticmethod
         def backward(ctx, g):
             return A([g])
@@ -1185,41 +1164,32 @@ def test_symbolic_zeros_remat():
     close(jax.grad(foo)(3.0), 1.0)
 
 
-def test_nones_representing_zeros_in_subtrees_returned_by_bwd():
-    # CustomVJPTest.test_nones_representing_zeros_in_subtrees_returned_by_bwd (jax#8356)
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x[0]
+def _first_of_pair_with_none_gradients() -> type:
+    """f(x) = x[0] of x = (a, (b, c)), whose bwd returns None for the (b, c) subtree."""
 
+    class F(_FirstElement):
         @staticmethod
         def backward(ctx, z_bar):
             return (z_bar, (None, None))
 
+    return F
+
+
+def test_nones_representing_zeros_in_subtrees_returned_by_bwd():
+    # CustomVJPTest.test_nones_representing_zeros_in_subtrees_returned_by_bwd (jax#8356)
+    F = _first_of_pair_with_none_gradients()
     close(jax.grad(F.apply)((1.0, (2.0, 3.0))), (1.0, (0.0, 0.0)))
 
 
 def test_pytree_nones_returned_by_bwd():
     # CustomVJPTest.test_pytree_nones_returned_by_bwd: a None leaf in the input, and in its gradient.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x[0]
-
-        @staticmethod
-        def backward(ctx, z_bar):
-            return (z_bar, (None, None))
-
+    F = _first_of_pair_with_none_gradients()
     close(jax.grad(F.apply)((1.0, (2.0, None))), (1.0, (0.0, None)))
 
 
 def test_bwd_rule_shape_mismatch():
     # CustomVJPTest.test_bwd_rule_shape_mismatch: the message names the class, input and shapes.
-    class Foo(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, y):
-            return x
-
+    class Foo(_FirstInput):  # forward(ctx, x, y) returns x
         @staticmethod
         def backward(ctx, g):
             return jnp.zeros(3), jnp.zeros(3)
@@ -1231,12 +1201,7 @@ def test_bwd_rule_shape_mismatch():
 def test_bwd_rule_can_produce_list_or_tuple():
     # CustomVJPTest.test_bwd_rule_can_produce_list_or_tuple. vjpkit follows PyTorch: a list is one value, so
     # backward must return a tuple; the error says so.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, y):
-            ctx.save_for_backward(x, y)
-            return x * y
-
+    class F(Mul):  # forward: x * y, saving both
         @staticmethod
         def backward(ctx, g):
             x, y = ctx.saved_tensors
@@ -1261,24 +1226,6 @@ def test_resolve_kwargs_error_message():
     with pytest.raises(TypeError, match=r"F.apply missing required argument 'y'"):
         F.apply(0.5)
     close(F.apply(jnp.float32(0.5), 0.1, z=1.0), (jnp.sin(0.5), 0.5 + jnp.cos(0.1)))
-
-
-def test_custom_gradient_can_return_singleton_value_in_vjp():
-    # CustomVJPTest.test_custom_gradient_can_return_singleton_value_in_vjp: backward returns a bare array.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x**2
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return g * x
-
-    close(F.apply(jnp.float32(3.0)), 9.0)
-    close(jax.grad(F.apply)(3.0), 3.0)
-    close(jax.grad(jax.grad(F.apply))(3.0), 1.0)
 
 
 def test_nondiff_argnames():
