@@ -68,19 +68,22 @@ def test_invariance():
     close(jax.jvp(f, (x,), (x,)), jax.jvp(f3, (x,), (x,)))
 
 
+class Relu(vjpkit.Function):
+    """jax.nn.relu as a Function: test_deepcopy copies it, test_hard_stuff3 writes its rule with lax.select."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_forward(x)
+        return jnp.maximum(x, 0)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return lax.select(x > 0, t, lax.full_like(t, 0))
+
+
 def test_deepcopy():
     # CustomJVPTest.test_deepcopy (JAX copies jax.nn.relu, a custom_jvp): a copied Function's apply.
-    class Relu(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_forward(x)
-            return jnp.maximum(x, 0.0)
-
-        @staticmethod
-        def jvp(ctx, t):
-            (x,) = ctx.saved_tensors
-            return jnp.where(x > 0, t, 0.0)
-
     f = copy.deepcopy(Relu.apply)
     close(jax.grad(f)(1.0), 1.0)
 
@@ -211,6 +214,16 @@ def test_initial_style():
     close(jax.jit(jax.grad(jax.grad(foo)))(3.0), 0.0)
 
 
+def check_grad_of_vmap_is_two(foo):
+    """The gradient of the sum of vmap(foo) at ones(3) is 2 everywhere, with jit at each place."""
+    ones = jnp.ones(3)
+    close(jax.grad(lambda x: jax.vmap(foo)(x).sum())(ones), 2.0 * ones)
+    close(jax.grad(lambda x: jax.vmap(jax.jit(foo))(x).sum())(ones), 2.0 * ones)
+    close(jax.grad(lambda x: jax.jit(jax.vmap(foo))(x).sum())(ones), 2.0 * ones)
+    close(jax.grad(jax.jit(lambda x: jax.vmap(foo)(x).sum()))(ones), 2.0 * ones)
+    close(jax.jit(jax.grad(lambda x: jax.vmap(foo)(x).sum()))(ones), 2.0 * ones)
+
+
 def test_initial_style_vmap():
     # CustomJVPTest.test_initial_style_vmap
     foo = in_one_step_scan(_three_x_jvp_two().apply)
@@ -218,11 +231,7 @@ def test_initial_style_vmap():
     close(jax.vmap(foo)(ones), 3.0 * ones)
     close(jax.vmap(jax.jit(foo))(ones), 3.0 * ones)
     close(jax.jit(jax.vmap(foo))(ones), 3.0 * ones)
-    close(jax.grad(lambda x: jax.vmap(foo)(x).sum())(ones), 2.0 * ones)
-    close(jax.grad(lambda x: jax.vmap(jax.jit(foo))(x).sum())(ones), 2.0 * ones)
-    close(jax.grad(lambda x: jax.jit(jax.vmap(foo))(x).sum())(ones), 2.0 * ones)
-    close(jax.grad(jax.jit(lambda x: jax.vmap(foo)(x).sum()))(ones), 2.0 * ones)
-    close(jax.jit(jax.grad(lambda x: jax.vmap(foo)(x).sum()))(ones), 2.0 * ones)
+    check_grad_of_vmap_is_two(foo)
 
 
 def test_initial_style_vmap_with_collective():
@@ -263,7 +272,9 @@ def test_closed_over_tracers_error_message():
         jax.grad(f)(3.0)
 
 
-def _app() -> type:
+def _app(slope=3.0) -> type:
+    """JAX's nondiff_argnums ``app(f, x) = f(x)``, its jvp ``slope * t`` (f is static: its tangent is None)."""
+
     class App(vjpkit.Function):
         @staticmethod
         def forward(ctx, f, x):
@@ -271,7 +282,7 @@ def _app() -> type:
 
         @staticmethod
         def jvp(ctx, _, t):
-            return 3 * t
+            return slope * t
 
     return App
 
@@ -308,19 +319,12 @@ def test_nondiff_arg_vmap_tracer():
 def test_nondiff_arg_hiding_jvp_tracer():
     # CustomJVPTest.test_nondiff_arg_hiding_jvp_tracer: a static function argument closing over the
     # differentiated x. JAX raises UnexpectedTracerError; vjpkit names the class.
-    class G(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, h, x):
-            return h(x)
-
-        @staticmethod
-        def jvp(ctx, _, t):
-            return 2.0 * t
+    G = _app(slope=2.0)
 
     def f(x):
         return G.apply(lambda y: x + y, x)
 
-    with pytest.raises(TypeError, match=r"G.forward uses a value that JAX is differentiating"):
+    with pytest.raises(TypeError, match=r"App.forward uses a value that JAX is differentiating"):
         jax.jvp(f, (2.0,), (1.0,))
 
 
@@ -375,20 +379,24 @@ def test_primal_tangent_aval_disagreement_error_message():
         jax.jvp(F.apply, (jnp.float32(2.0),), (jnp.float32(1.0),))
 
 
+class Expit(vjpkit.Function):
+    """JAX's expit (the sigmoid), a custom_jvp in test_multiple_rule_invocations, test_eval_shape and
+    test_concurrent_initial_style."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ans = 1 / (1 + lax.exp(-x))
+        ctx.save_for_forward(ans)
+        return ans
+
+    @staticmethod
+    def jvp(ctx, t):
+        (ans,) = ctx.saved_tensors
+        return t * ans * (1 - ans)
+
+
 def test_multiple_rule_invocations():
     # CustomJVPTest.test_multiple_rule_invocations
-    class Expit(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ans = 1 / (1 + lax.exp(-x))
-            ctx.save_for_forward(ans)
-            return ans
-
-        @staticmethod
-        def jvp(ctx, t):
-            (ans,) = ctx.saved_tensors
-            return t * ans * (1 - ans)
-
     def scanned_fun(c, _):
         return [Expit.apply(c[0])] + [c[i - 1] + c[i] for i in range(1, len(c))], None
 
@@ -433,17 +441,6 @@ def test_hard_stuff2():
 
 def test_hard_stuff3():
     # CustomJVPTest.test_hard_stuff3
-    class Relu(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_forward(x)
-            return jnp.maximum(x, 0)
-
-        @staticmethod
-        def jvp(ctx, t):
-            (x,) = ctx.saved_tensors
-            return lax.select(x > 0, t, lax.full_like(t, 0))
-
     def scanned(relu):
         def f(x):
             def body(c, _):
@@ -466,18 +463,6 @@ def test_hard_stuff3():
 
 def test_eval_shape():
     # CustomJVPTest.test_eval_shape
-    class Expit(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ans = 1 / (1 + lax.exp(-x))
-            ctx.save_for_forward(ans)
-            return ans
-
-        @staticmethod
-        def jvp(ctx, t):
-            (ans,) = ctx.saved_tensors
-            return t * ans * (1 - ans)
-
     assert jax.eval_shape(Expit.apply, jnp.ones((2, 3))).shape == (2, 3)
     assert jax.eval_shape(jax.grad(lambda x: Expit.apply(x).sum()), jnp.ones((2, 3))).shape == (2, 3)
 
@@ -542,21 +527,9 @@ def test_concurrent_initial_style():
     # CustomJVPTest.test_concurrent_initial_style (jax#3843): a Function in a scan, differentiated in threads.
     import concurrent.futures
 
-    class Sigmoid(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = jax.nn.sigmoid(x)
-            ctx.save_for_forward(y)
-            return y
-
-        @staticmethod
-        def jvp(ctx, t):
-            (y,) = ctx.saved_tensors
-            return t * y * (1 - y)
-
     def unroll(param, sequence):
         def scan_f(prev_state, inputs):
-            return prev_state, Sigmoid.apply(param * inputs)
+            return prev_state, Expit.apply(param * inputs)  # the sigmoid
 
         return jnp.sum(lax.scan(scan_f, None, sequence)[1])
 
@@ -616,20 +589,26 @@ def test_closure_with_vmap():
     assert jax.vmap(sample)(jax.random.split(jax.random.key(1), 3)).shape == (3,)
 
 
+def _times(c) -> type:
+    """f(y) = c * y with jvp c * ydot, c closed over (test_closure_with_vmap2, test_custom_jvp_unbroadcasting)."""
+
+    class G(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return c * y
+
+        @staticmethod
+        def jvp(ctx, ydot):
+            return c * ydot
+
+    return G
+
+
 def test_closure_with_vmap2():
     # CustomJVPTest.test_closure_with_vmap2 (jax#8783): jvp closes over the vmap tracer x.
     def h(z):
         def f(x):
-            class G(vjpkit.Function):
-                @staticmethod
-                def forward(ctx, y):
-                    return x * y
-
-                @staticmethod
-                def jvp(ctx, ydot):
-                    return x * ydot
-
-            return G.apply(z)  # no vmapped argument
+            return _times(x).apply(z)  # no vmapped argument; the class closes over the vmap tracer x
 
         return jax.vmap(f)(jnp.arange(3.0, dtype="float32"))
 
@@ -638,42 +617,39 @@ def test_closure_with_vmap2():
     close(tangents, 2 * jnp.arange(3.0))
 
 
-def test_float0():
-    # CustomJVPTest.test_float0: an integer input's tangent is float0; its output's tangent too.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, y):
-            return x, y
+class PairWithTangentTwo(vjpkit.Function):
+    """test_float0's f(x, y) = (x, y), whose jvp gives x's output the tangent 2.0 and y's (an integer) None."""
 
-        @staticmethod
-        def jvp(ctx, t_x, t_y):
-            return jnp.float32(2.0), None
+    @staticmethod
+    def forward(ctx, x, y):
+        return x, y
 
-    primals = (jnp.float32(2.0), jnp.int32(3))
-    scalar_float0 = np.zeros((), dtype=jax.dtypes.float0)
-    out, tangents = jax.jvp(F.apply, primals, (jnp.ones(()), scalar_float0))
+    @staticmethod
+    def jvp(ctx, t_x, t_y):
+        return jnp.float32(2.0), None
+
+
+def check_float0_tangent(out, tangents):
+    """PairWithTangentTwo's value at (2.0, 3) and its tangents: 2.0, and float0 for the integer."""
     close(out, (2.0, 3))
     close(tangents[0], 2.0)
     assert tangents[1].dtype == jax.dtypes.float0
+
+
+def test_float0():
+    # CustomJVPTest.test_float0: an integer input's tangent is float0; its output's tangent too.
+    primals = (jnp.float32(2.0), jnp.int32(3))
+    scalar_float0 = np.zeros((), dtype=jax.dtypes.float0)
+    out, tangents = jax.jvp(PairWithTangentTwo.apply, primals, (jnp.ones(()), scalar_float0))
+    check_float0_tangent(out, tangents)
 
 
 def test_float0_initial_style():
     # CustomJVPTest.test_float0_initial_style: the same, inside a scan.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, y):
-            return x, y
-
-        @staticmethod
-        def jvp(ctx, t_x, t_y):
-            return jnp.float32(2.0), None
-
-    foo = in_one_step_scan(lambda x_y: F.apply(*x_y))
+    foo = in_one_step_scan(lambda x_y: PairWithTangentTwo.apply(*x_y))
     scalar_float0 = np.zeros((), dtype=jax.dtypes.float0)
     out, tangents = jax.jvp(lambda x, y: foo((x, y)), (jnp.float32(2.0), jnp.int32(3)), (jnp.ones(()), scalar_float0))
-    close(out, (2.0, 3))
-    close(tangents[0], 2.0)
-    assert tangents[1].dtype == jax.dtypes.float0
+    check_float0_tangent(out, tangents)
 
 
 def test_remat():
@@ -708,12 +684,7 @@ def test_initial_style_vmap_2():
             return 2 * g
 
     foo = in_one_step_scan(F.apply)
-    ones = jnp.ones(3)
-    close(jax.grad(lambda x: jax.vmap(foo)(x).sum())(ones), 2.0 * ones)
-    close(jax.grad(lambda x: jax.vmap(jax.jit(foo))(x).sum())(ones), 2.0 * ones)
-    close(jax.grad(lambda x: jax.jit(jax.vmap(foo))(x).sum())(ones), 2.0 * ones)
-    close(jax.grad(jax.jit(lambda x: jax.vmap(foo)(x).sum()))(ones), 2.0 * ones)
-    close(jax.jit(jax.grad(lambda x: jax.vmap(foo)(x).sum()))(ones), 2.0 * ones)
+    check_grad_of_vmap_is_two(foo)
 
 
 def test_custom_jvp_vmap_broadcasting_interaction():
@@ -849,16 +820,7 @@ def test_custom_jvp_unbroadcasting():
     # CustomJVPTest.test_custom_jvp_unbroadcasting (jax#3056)
     a = jnp.array([1.0, 1.0])
 
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return a * x
-
-        @staticmethod
-        def jvp(ctx, dx):
-            return a * dx
-
-    g = jax.grad(lambda x: jnp.sum(F.apply(x)))(jnp.array(1.0))
+    g = jax.grad(lambda x: jnp.sum(_times(a).apply(x)))(jnp.array(1.0))
     assert g.shape == ()
     close(g, 2.0)
 
@@ -900,13 +862,17 @@ def test_symbolic_zero_custom_jvp(maybe_jit, maybe_vmap):
     close(t2, jnp.array([99.0, 100.0]))
 
 
-def _x_times_y_tangent_y(seen: list) -> type:
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, y):
-            ctx.set_materialize_grads(False)
-            return x * y
+class _XTimesY(vjpkit.Function):
+    """f(x, y) = x * y with materialization off: a tangent not computed reaches jvp as None."""
 
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.set_materialize_grads(False)
+        return x * y
+
+
+def _x_times_y_tangent_y(seen: list) -> type:
+    class F(_XTimesY):
         @staticmethod
         def jvp(ctx, x_dot, y_dot):
             seen.append((x_dot is None, y_dot is None))
@@ -937,12 +903,7 @@ def test_symbolic_zeros_memoization_caching():
 
 def test_symbolic_zeros_under_jit():
     # CustomJVPTest.test_symbolic_zeros_under_jit (jax#14833): jacfwd moves one input at a time.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, y):
-            ctx.set_materialize_grads(False)
-            return x * y
-
+    class F(_XTimesY):
         @staticmethod
         def jvp(ctx, tx, ty):
             assert tx is not None or ty is not None
@@ -972,18 +933,25 @@ def test_custom_jvp_functools_partial():
     close(jax.grad(lambda args: fn(*args))((1.0, 2.0)), (1.0, 0.1))
 
 
-def test_run_rules_more_than_once():
-    # CustomJVPTest.test_run_rules_more_than_once (jax#16614)
+def _projection(argnum) -> type:
+    """f(x, y) = (x, y)[argnum], its jvp passing that tangent on; materialization off, so the other may be None."""
+
     class F(vjpkit.Function):
         @staticmethod
         def forward(ctx, x, y):
             ctx.set_materialize_grads(False)
-            return x
+            return (x, y)[argnum]
 
         @staticmethod
-        def jvp(ctx, x_dot, _):
-            return x_dot
+        def jvp(ctx, x_dot, y_dot):
+            return (x_dot, y_dot)[argnum]
 
+    return F
+
+
+def test_run_rules_more_than_once():
+    # CustomJVPTest.test_run_rules_more_than_once (jax#16614)
+    F = _projection(0)  # f(x, y) = x
     close(grad_of_two_step_scan(F.apply)(1.0), 1.0)
 
 
@@ -1027,16 +995,7 @@ def test_resolve_kwargs_error_message():
 def test_symbolic_zero_custom_jvp_vmap_doesnt_instantiate():
     # CustomJVPTest.test_symbolic_zero_custom_jvp_vmap_doesnt_instantiate. vjpkit: a None tangent returned by
     # jvp is a zero array for the next Function (JAX passes its SymbolicZero on), so only the values are checked.
-    class F(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, y):
-            ctx.set_materialize_grads(False)
-            return y
-
-        @staticmethod
-        def jvp(ctx, _x_dot, y_dot):
-            return y_dot
-
+    F = _projection(1)  # f(x, y) = y
     def g(x):
         return F.apply(x, F.apply(x, jnp.float32(1.0)))
 
