@@ -27,7 +27,17 @@ def close(actual, expected, rtol=1e-5):
 # autograd_function_db: each Function with its plain-JAX reference.
 
 
-class NumpyMul(vjpkit.Function):
+def _mul_backward(mul, ctx, grad_output):
+    """NumpyMul's and MulGenVmap's backward: the product rule through ``mul`` itself, so that it composes."""
+    x, y = ctx.saved_tensors
+    gx = mul.apply(grad_output, y) if ctx.needs_input_grad[0] else None
+    gy = mul.apply(grad_output, x) if ctx.needs_input_grad[1] else None
+    return gx, gy
+
+
+class _MulRules(vjpkit.Function):
+    """NumpyMul's and MulGenVmap's forward, context and jvp (PyTorch writes them twice)."""
+
     @staticmethod
     def forward(x, y):
         return x * y
@@ -38,11 +48,15 @@ class NumpyMul(vjpkit.Function):
         ctx.save_for_forward(*inputs)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def jvp(ctx, x_tangent, y_tangent):
         x, y = ctx.saved_tensors
-        gx = NumpyMul.apply(grad_output, y) if ctx.needs_input_grad[0] else None
-        gy = NumpyMul.apply(grad_output, x) if ctx.needs_input_grad[1] else None
-        return gx, gy
+        return x_tangent * y + y_tangent * x
+
+
+class NumpyMul(_MulRules):
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _mul_backward(NumpyMul, ctx, grad_output)
 
     @staticmethod
     def vmap(info, in_dims, x, y):
@@ -51,38 +65,18 @@ class NumpyMul(vjpkit.Function):
         y = jnp.moveaxis(y, y_bdim, -1) if y_bdim is not None else y[..., None]
         return jnp.moveaxis(NumpyMul.apply(x, y), -1, 0), 0
 
-    @staticmethod
-    def jvp(ctx, x_tangent, y_tangent):
-        x, y = ctx.saved_tensors
-        return x_tangent * y + y_tangent * x
 
-
-class MulGenVmap(vjpkit.Function):
+class MulGenVmap(_MulRules):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, y):
-        return x * y
-
-    @staticmethod
-    def setup_context(ctx, inputs, outputs):
-        ctx.save_for_backward(*inputs)
-        ctx.save_for_forward(*inputs)
-
-    @staticmethod
     def backward(ctx, grad_output):
-        x, y = ctx.saved_tensors
-        gx = MulGenVmap.apply(grad_output, y) if ctx.needs_input_grad[0] else None
-        gy = MulGenVmap.apply(grad_output, x) if ctx.needs_input_grad[1] else None
-        return gx, gy
-
-    @staticmethod
-    def jvp(ctx, x_tangent, y_tangent):
-        x, y = ctx.saved_tensors
-        return x_tangent * y + y_tangent * x
+        return _mul_backward(MulGenVmap, ctx, grad_output)
 
 
-class NumpyCube(vjpkit.Function):
+class _CubeForward(vjpkit.Function):
+    """NumpyCube's and CubeGenVmap's forward and context (PyTorch writes them twice): x**3 and its derivative."""
+
     @staticmethod
     def forward(x):
         return x**3, 3 * x**2
@@ -92,6 +86,8 @@ class NumpyCube(vjpkit.Function):
         ctx.save_for_backward(inputs[0], output[1])
         ctx.save_for_forward(inputs[0], output[1])
 
+
+class NumpyCube(_CubeForward):
     @staticmethod
     def backward(ctx, grad_output, grad_saved):
         x, dx = ctx.saved_tensors
@@ -107,17 +103,8 @@ class NumpyCube(vjpkit.Function):
         return NumpyMul.apply(x_tangent, dx), 6 * NumpyMul.apply(x_tangent, x)
 
 
-class CubeGenVmap(vjpkit.Function):
+class CubeGenVmap(_CubeForward):
     generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x**3, 3 * x**2
-
-    @staticmethod
-    def setup_context(ctx, inputs, outputs):
-        ctx.save_for_backward(inputs[0], outputs[1])
-        ctx.save_for_forward(inputs[0], outputs[1])
 
     @staticmethod
     def backward(ctx, grad_output, grad_saved):
@@ -209,7 +196,9 @@ class SortGenVmap(_SortRules):
     generate_vmap_rule = True
 
 
-class Select(vjpkit.Function):
+class _SelectRules(vjpkit.Function):
+    """Select's and SelectGenVmap's forward, context and backward (PyTorch writes them twice)."""
+
     @staticmethod
     def forward(x, idx):
         return x[idx]
@@ -224,6 +213,8 @@ class Select(vjpkit.Function):
     def backward(ctx, grad_output):
         return jnp.zeros(ctx.x_shape, grad_output.dtype).at[ctx.idx].set(grad_output), None
 
+
+class Select(_SelectRules):
     @staticmethod
     def vmap(info, in_dims, x, idx):
         x_bdim, _ = in_dims
@@ -234,22 +225,8 @@ class Select(vjpkit.Function):
         return Select.apply(x_tangent, ctx.idx)
 
 
-class SelectGenVmap(vjpkit.Function):
+class SelectGenVmap(_SelectRules):
     generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, idx):
-        return x[idx]
-
-    @staticmethod
-    def setup_context(ctx, inputs, outputs):
-        x, idx = inputs
-        ctx.x_shape = x.shape
-        ctx.idx = idx
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return jnp.zeros(ctx.x_shape, grad_output.dtype).at[ctx.idx].set(grad_output), None
 
     @staticmethod
     def jvp(ctx, x_tangent, _):
@@ -298,29 +275,13 @@ class ZeroGradientsGenVmap(vjpkit.Function):
         return jnp.zeros(gx.shape, gx.dtype), jnp.zeros(gy.shape, gy.dtype)
 
 
-class ForwardHasDefaultArgs(vjpkit.Function):
+class ForwardHasDefaultArgs(Select):
+    """Select with ``idx`` defaulting to (2,). PyTorch writes Select's rules out again, each calling
+    ForwardHasDefaultArgs.apply; here they call Select.apply, the same function of x and idx."""
+
     @staticmethod
     def forward(x, idx=(2,)):
         return x[idx]
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, idx = inputs
-        ctx.x_shape = x.shape
-        ctx.idx = idx
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return jnp.zeros(ctx.x_shape, grad_output.dtype).at[ctx.idx].set(grad_output), None
-
-    @staticmethod
-    def vmap(info, in_dims, x, idx):
-        x_bdim, _ = in_dims
-        return ForwardHasDefaultArgs.apply(jnp.moveaxis(x, x_bdim, 1), idx), 0
-
-    @staticmethod
-    def jvp(ctx, x_tangent, _):
-        return ForwardHasDefaultArgs.apply(x_tangent, ctx.idx)
 
 
 _X35 = jnp.asarray(np.random.RandomState(0).uniform(-2, 2, (3, 5)), jnp.float32)
@@ -751,6 +712,39 @@ def test_custom_function_save_for_forward():
 # test/functorch/test_eager_transforms.py: TestAutogradFunction and TestAutogradFunctionVmapAPI.
 
 
+class _SavesNothing(vjpkit.Function):
+    """A Function whose forward leaves nothing for its rules (TestAutogradFunctionVmapAPI's setup_context)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+
+class _Id(_SavesNothing):
+    """TestAutogradFunctionVmapAPI's Id: each test adds its vmap staticmethod."""
+
+    @staticmethod
+    def forward(x):
+        return x
+
+
+class _Zeros(_SavesNothing):
+    """TestAutogradFunctionVmapAPI's Zeros: each test adds its vmap staticmethod."""
+
+    @staticmethod
+    def forward(x):
+        return jnp.zeros(x.shape)
+
+
+class _TwoZeros(_SavesNothing):
+    """TestAutogradFunctionVmapAPI's TwoZeros (and test_should_have_two_returns' FourReturns)."""
+
+    @staticmethod
+    def forward(x):
+        r = jnp.zeros(x.shape)
+        return r, r
+
+
 def test_set_materialize_grads_under_functorch_grad():
     # TestAutogradFunction.test_set_materialize_grads: y's gradient is None, under grad and grad of grad.
     class A(vjpkit.Function):
@@ -781,14 +775,10 @@ def test_needs_input_grads():
     # TestAutogradFunction.test_needs_input_grads
     seen = []
 
-    class A(vjpkit.Function):
+    class A(_SavesNothing):
         @staticmethod
         def forward(x, y):
             return x * y
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            return
 
         @staticmethod
         def backward(ctx, grad_output):
@@ -834,16 +824,12 @@ def test_has_vmap_staticmethod_and_has_generate_vmap_rule():
     # class is made (PyTorch: under vmap).
     with pytest.raises(TypeError, match=r"generate_vmap_rule = True and a vmap staticmethod"):
 
-        class NumpyCube(vjpkit.Function):
+        class NumpyCube(_SavesNothing):
             generate_vmap_rule = True
 
             @staticmethod
             def forward(x):
                 return x**3, 3 * x**2
-
-            @staticmethod
-            def setup_context(ctx, inputs, output):
-                pass
 
             @staticmethod
             def vmap(info, in_dims, x):
@@ -855,15 +841,7 @@ def test_info_object():
     # is PyTorch's default, "error".
     seen = []
 
-    class Id(vjpkit.Function):
-        @staticmethod
-        def forward(x):
-            return x
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
+    class Id(_Id):
         @staticmethod
         def vmap(info, in_dims, x):
             seen.append((info.batch_size, info.randomness))
@@ -876,23 +854,15 @@ def test_info_object():
 def test_in_dims_single_input():
     # TestAutogradFunctionVmapAPI.test_in_dims_single_input. vjpkit (JAX's custom_vmap): the batch axis arrives
     # at the front whatever vmap's in_axes, so in_dims is (0,) for in_axes=1.
+    x = jnp.arange(30.0).reshape(3, 10)
     seen = []
 
-    class Id(vjpkit.Function):
-        @staticmethod
-        def forward(x):
-            return x
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
+    class Id(_Id):
         @staticmethod
         def vmap(info, in_dims, x):
             seen.append(in_dims)
             return x, in_dims[0]
 
-    x = jnp.arange(30.0).reshape(3, 10)
     close(jax.vmap(Id.apply, in_axes=1)(x), x.T)
     assert seen == [(0,)]
 
@@ -901,14 +871,10 @@ def test_in_dims_multiple_inputs():
     # TestAutogradFunctionVmapAPI.test_in_dims_multiple_inputs: a list input gets a list of dims.
     seen = []
 
-    class Id(vjpkit.Function):
+    class Id(_SavesNothing):
         @staticmethod
         def forward(x, y):
             return x, y
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
 
         @staticmethod
         def vmap(info, in_dims, x, y):
@@ -923,15 +889,7 @@ def test_in_dims_multiple_inputs():
 
 def test_skips_empty_layer():
     # TestAutogradFunctionVmapAPI.test_skips_empty_layer: an unbatched call never runs the rule.
-    class Id(vjpkit.Function):
-        @staticmethod
-        def forward(x):
-            return x
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
+    class Id(_Id):
         @staticmethod
         def vmap(info, in_dims, x):
             raise RuntimeError("expected to not be called")
@@ -946,30 +904,13 @@ def test_skips_empty_layer():
 
 def test_none_returns():
     # TestAutogradFunctionVmapAPI.test_none_returns: out_dims None broadcasts the unbatched outputs.
-    class Zeros(vjpkit.Function):
-        @staticmethod
-        def forward(x):
-            return jnp.zeros(x.shape)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
+    class Zeros(_Zeros):
         @staticmethod
         def vmap(info, in_dims, x):
             assert in_dims == (0,)
             return jnp.zeros(x.shape[1:]), None
 
-    class TwoZeros(vjpkit.Function):
-        @staticmethod
-        def forward(x):
-            r = jnp.zeros(x.shape)
-            return r, r
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
+    class TwoZeros(_TwoZeros):
         @staticmethod
         def vmap(info, in_dims, x):
             r = jnp.zeros(x.shape[1:])
@@ -983,29 +924,12 @@ def test_none_returns():
 
 def test_should_have_two_returns():
     # TestAutogradFunctionVmapAPI.test_should_have_two_returns
-    class Zeros(vjpkit.Function):
-        @staticmethod
-        def forward(x):
-            return jnp.zeros(x.shape)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
+    class Zeros(_Zeros):
         @staticmethod
         def vmap(info, in_dims, x):
             return jnp.zeros(x.shape[1:])
 
-    class FourReturns(vjpkit.Function):
-        @staticmethod
-        def forward(x):
-            r = jnp.zeros(x.shape)
-            return r, r
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
+    class FourReturns(_TwoZeros):
         @staticmethod
         def vmap(info, in_dims, x):
             r = jnp.zeros(x.shape[1:])
@@ -1018,27 +942,15 @@ def test_should_have_two_returns():
 
 def test_incompatible_out_dims_error_msg():
     # TestAutogradFunctionVmapAPI.test_incompatible_out_dims_error_msg
-    class Zeros(vjpkit.Function):
-        @staticmethod
-        def forward(x):
-            return jnp.zeros(x.shape)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
+    class Zeros(_Zeros):
         @staticmethod
         def vmap(info, in_dims, x):
             return jnp.zeros(x.shape[1:]), (None,)
 
-    class ListZeros(vjpkit.Function):
+    class ListZeros(_SavesNothing):
         @staticmethod
         def forward(x):
             return [jnp.zeros(x.shape)]
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
 
         @staticmethod
         def vmap(info, in_dims, x):

@@ -15,17 +15,15 @@ The vjpkit side runs for real on R devices: ``jax.shard_map`` over the axis
 collectives ``lax.all_gather``, ``lax.psum_scatter`` and ``lax.all_to_all``,
 as the cookbook's collectives section shows.
 
-Run by ``test_port_allgather.py`` in a subprocess, because the device count
-is fixed when JAX starts:
+Each check's outcome goes to ``test_port_allgather.py`` as the JSON that
+``collective_ports.report`` prints; the test runs the script in a subprocess,
+because the device count is fixed when JAX starts:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/ports/allgather_script.py
-
-Prints one JSON object: for each case, null when it passed, else the error.
 """
 
-import json
+import functools
 import os
-import traceback
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -35,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from allgather_port import AXIS, AllGather, OwnSlot, make_mesh, shard_map  # noqa: E402
+from collective_ports import report  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 # jax.enable_x64 or its older home; a script run in a subprocess has no pytest fixture.
@@ -163,21 +162,11 @@ def own_slot_gradient_is_the_ranks_own_cotangent():
 
 
 def main():
-    results = {}
-    try:
-        own_slot_gradient_is_the_ranks_own_cotangent()
-        results["own_slot_gradient_is_the_ranks_own_cotangent"] = None
-    except Exception:  # noqa: BLE001 - reported to the test
-        results["own_slot_gradient_is_the_ranks_own_cotangent"] = traceback.format_exc()
-    for group in ("nccl", "gloo"):
-        for check in (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch, from_torch_matches_port,
-                      vmap_inside_shard_map_matches_loop, per_rank_outputs_need_no_opt_out_of_the_varying_check):
-            try:
-                check(group)
-                results[f"{group}/{check.__name__}"] = None
-            except Exception:  # noqa: BLE001 - reported to the test
-                results[f"{group}/{check.__name__}"] = traceback.format_exc()
-    print(json.dumps(results))
+    checks = (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch, from_torch_matches_port,
+              vmap_inside_shard_map_matches_loop, per_rank_outputs_need_no_opt_out_of_the_varying_check)
+    report([("own_slot_gradient_is_the_ranks_own_cotangent", own_slot_gradient_is_the_ranks_own_cotangent)]
+           + [(f"{group}/{check.__name__}", functools.partial(check, group))
+              for group in ("nccl", "gloo") for check in checks])
 
 
 if __name__ == "__main__":

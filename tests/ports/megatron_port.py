@@ -9,6 +9,7 @@ mesh axis ``"tp"``.
 import collective_ports
 import jax
 from collective_ports import shard_map  # noqa: F401 - the ports' shard_map, re-exported
+from megatron_mappings import mappings
 
 import vjpkit
 
@@ -24,44 +25,13 @@ def gather_along_last_dim(x):
     return jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)
 
 
-class CopyToModelParallelRegion(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return input_
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return jax.lax.psum(grad_output, AXIS)
+def all_reduce(x):
+    return jax.lax.psum(x, AXIS)
 
 
-class ReduceFromModelParallelRegion(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return jax.lax.psum(input_, AXIS)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output
-
-
-class ScatterToModelParallelRegion(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return split_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return gather_along_last_dim(grad_output)
-
-
-class GatherFromModelParallelRegion(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return gather_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return split_along_last_dim(grad_output)
+# Keyed by Megatron's function names ("copy_to_model_parallel_region", ...): CopyToModelParallelRegion and
+# the other three, as vjpkit Functions over JAX's collectives.
+MAPPINGS = mappings(vjpkit.Function, "", reduce=all_reduce, split=split_along_last_dim, gather=gather_along_last_dim)
 
 
 def make_mesh(ranks):

@@ -13,17 +13,14 @@ and gives every rank the sum). The vjpkit side runs for real on R devices:
 ``jax.shard_map`` over the axis ``"tp"``, whose collectives are
 ``lax.psum`` and ``lax.all_gather``.
 
-Run by ``test_port_megatron.py`` in a subprocess, because the device count
-is fixed when JAX starts:
+``test_port_megatron.py`` runs it in a subprocess (the device count is fixed
+when JAX starts) and reads the JSON that ``collective_ports.report`` prints:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/ports/megatron_script.py
-
-Prints one JSON object: for each case, null when it passed, else the error.
 """
 
-import json
+import functools
 import os
-import traceback
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,16 +29,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from collective_ports import report  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from megatron_port import (  # noqa: E402
-    AXIS,
-    CopyToModelParallelRegion,
-    GatherFromModelParallelRegion,
-    ReduceFromModelParallelRegion,
-    ScatterToModelParallelRegion,
-    make_mesh,
-    shard_map,
-)
+from megatron_mappings import mappings  # noqa: E402
+from megatron_port import AXIS, MAPPINGS, make_mesh, shard_map  # noqa: E402
 
 # jax.enable_x64 or its older home; a script run in a subprocess has no pytest fixture.
 from vjpkit._jax_internals import enable_x64  # noqa: E402
@@ -70,44 +61,9 @@ def _gather_along_last_dim(x):
     return full.unsqueeze(0).expand(R, *full.shape).clone()
 
 
-class TorchCopyToModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return input_.clone()
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _reduce(grad_output)
-
-
-class TorchReduceFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return _reduce(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output
-
-
-class TorchScatterToModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return _split_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output)
-
-
-class TorchGatherFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return _gather_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _split_along_last_dim(grad_output)
+# Megatron's Functions over the simulated collectives (Megatron's copy returns its input; a clone here).
+ORIGINALS = mappings(torch.autograd.Function, "Torch", reduce=_reduce, split=_split_along_last_dim,
+                     gather=_gather_along_last_dim, copy=lambda input_: input_.clone())
 
 
 MESH = make_mesh(R)
@@ -128,12 +84,7 @@ def on_ranks(port):
     return fn
 
 
-PAIRS = {
-    "copy_to_model_parallel_region": (TorchCopyToModelParallelRegion, CopyToModelParallelRegion),
-    "reduce_from_model_parallel_region": (TorchReduceFromModelParallelRegion, ReduceFromModelParallelRegion),
-    "scatter_to_model_parallel_region": (TorchScatterToModelParallelRegion, ScatterToModelParallelRegion),
-    "gather_from_model_parallel_region": (TorchGatherFromModelParallelRegion, GatherFromModelParallelRegion),
-}
+PAIRS = {name: (ORIGINALS[name], port) for name, port in MAPPINGS.items()}
 X = np.random.default_rng(9).standard_normal((R, 3, 8))  # rank, tokens, hidden
 
 
@@ -172,16 +123,10 @@ def vmap_inside_shard_map_matches_loop(torch_fn, port):
 
 
 def main():
-    results = {}
-    for name, (torch_fn, port) in PAIRS.items():
-        for check in (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch, from_torch_matches_port,
-                      vmap_inside_shard_map_matches_loop):
-            try:
-                check(torch_fn, port)
-                results[f"{name}/{check.__name__}"] = None
-            except Exception:  # noqa: BLE001 - reported to the test
-                results[f"{name}/{check.__name__}"] = traceback.format_exc()
-    print(json.dumps(results))
+    checks = (matches_torch, matches_torch_to_second_order, jit_grad_matches_torch, from_torch_matches_port,
+              vmap_inside_shard_map_matches_loop)
+    report((f"{name}/{check.__name__}", functools.partial(check, torch_fn, port))
+           for name, (torch_fn, port) in PAIRS.items() for check in checks)
 
 
 if __name__ == "__main__":

@@ -108,3 +108,10 @@ def skip_where_this_jax_lacks_it(error: str | None) -> None:
     if error is not None and not hasattr(jax, "shard_map") and _OLD_SHARD_MAP_ERROR in error:
         pytest.skip("this JAX lacks the replication check of a differentiated custom_jvp with symbolic zeros in "
                     "jax.experimental.shard_map (JAX 0.6's jax.shard_map has it)")
+
+
+def assert_script_check_passed(results: dict, name: str) -> None:
+    """A 4-device script's check ``name`` passed (skipped where only this JAX's shard_map lacks a feature)."""
+    error = results[name]
+    skip_where_this_jax_lacks_it(error)
+    assert error is None, error

@@ -13,17 +13,13 @@ mesh of one device; the script checks the port on 4 devices against the
 simulated original through ``from_torch`` too.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from allgather_port import AXIS, AllGather, make_mesh, shard_map
 from jax.sharding import PartitionSpec as P
-from port_checks import skip_where_this_jax_lacks_it
+from port_checks import assert_script_check_passed
 from torch.distributed.nn.functional import _AllGather as TorchDistributedAllGather
 
 SCRIPT = pathlib.Path(__file__).with_name("allgather_script.py")
@@ -45,11 +41,8 @@ FROM_TORCH_CASES = [dict(original=TorchDistributedAllGather, port=on_one_rank, a
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"allgather_script.py failed:\n{run.stdout}\n{run.stderr}"
-    return json.loads(run.stdout)
+def results(run_script):
+    return run_script(SCRIPT, devices=4)  # SCRIPT is an absolute path: not one of tests/scripts/
 
 
 def test_script_runs_every_case(results):
@@ -60,9 +53,7 @@ def test_script_runs_every_case(results):
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("path", PATHS)
 def test_all_gather(path, check, results):
-    error = results[f"{path}/{check}"]
-    skip_where_this_jax_lacks_it(error)
-    assert error is None, error
+    assert_script_check_passed(results, f"{path}/{check}")
 
 
 def test_the_gradient_of_a_ranks_own_slot_is_indexed_by_a_traced_rank(results):

@@ -15,37 +15,18 @@ does not differentiate its collectives. The script checks the ports on 4
 devices against the simulated originals through ``from_torch`` too.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from jax.sharding import PartitionSpec as P
-from megatron_port import (
-    AXIS,
-    CopyToModelParallelRegion,
-    GatherFromModelParallelRegion,
-    ReduceFromModelParallelRegion,
-    ScatterToModelParallelRegion,
-    make_mesh,
-    shard_map,
-)
-from port_checks import skip_where_this_jax_lacks_it
+from megatron_mappings import mappings
+from megatron_port import AXIS, MAPPINGS, make_mesh, shard_map
+from port_checks import assert_script_check_passed
 
 SCRIPT = pathlib.Path(__file__).with_name("megatron_script.py")
-MAPPINGS = [
-    "copy_to_model_parallel_region",  # identity forward, all-reduce backward
-    "reduce_from_model_parallel_region",  # all-reduce forward, identity backward
-    "scatter_to_model_parallel_region",  # split forward, all-gather backward
-    "gather_from_model_parallel_region",  # all-gather forward, split backward
-]
-
-
 def _reduce(input_):
     """All-reduce across the group, in place."""
     dist.all_reduce(input_.contiguous())
@@ -65,44 +46,9 @@ def _gather_along_last_dim(input_):
     return torch.cat(tensor_list, dim=-1).contiguous()
 
 
-class TorchDistCopyToModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return input_
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _reduce(grad_output)
-
-
-class TorchDistReduceFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return _reduce(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output
-
-
-class TorchDistScatterToModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return _split_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output)
-
-
-class TorchDistGatherFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_):
-        return _gather_along_last_dim(input_)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _split_along_last_dim(grad_output)
+# Megatron's Functions over torch.distributed: TorchDistCopyToModelParallelRegion and the other three.
+ORIGINALS = mappings(torch.autograd.Function, "TorchDist", reduce=_reduce, split=_split_along_last_dim,
+                     gather=_gather_along_last_dim)
 
 
 def on_one_rank(port):
@@ -117,23 +63,17 @@ X = np.random.default_rng(10).standard_normal((1, 3, 8))  # the one rank's block
 FROM_TORCH_CASES = [
     # copy_inputs: the all-reduce writes into its input in place, past torch's version counter (which
     # from_torch checks); on a group of more than one rank it would write into JAX's buffer.
-    dict(original=original, from_torch=dict(copy_inputs=True), port=on_one_rank(port), args=(X,), in_axes=(1,),
-         vmap_args=(X[:, :, None],), process_group=True)
-    for original, port in [(TorchDistCopyToModelParallelRegion, CopyToModelParallelRegion),
-                           (TorchDistReduceFromModelParallelRegion, ReduceFromModelParallelRegion),
-                           (TorchDistScatterToModelParallelRegion, ScatterToModelParallelRegion),
-                           (TorchDistGatherFromModelParallelRegion, GatherFromModelParallelRegion)]
+    dict(original=ORIGINALS[mapping], from_torch=dict(copy_inputs=True), port=on_one_rank(MAPPINGS[mapping]),
+         args=(X,), in_axes=(1,), vmap_args=(X[:, :, None],), process_group=True)
+    for mapping in MAPPINGS
 ]
 
 CHECKS = ["matches_torch", "jit_grad_matches_torch", "from_torch_matches_port", "vmap_inside_shard_map_matches_loop"]
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"megatron_script.py failed:\n{run.stdout}\n{run.stderr}"
-    return json.loads(run.stdout)
+def results(run_script):
+    return run_script(SCRIPT, devices=4)  # SCRIPT is an absolute path: not one of tests/scripts/
 
 
 def test_script_runs_every_case(results):
@@ -143,9 +83,7 @@ def test_script_runs_every_case(results):
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("mapping", MAPPINGS)
 def test_mapping(mapping, check, results):
-    error = results[f"{mapping}/{check}"]
-    skip_where_this_jax_lacks_it(error)
-    assert error is None, error
+    assert_script_check_passed(results, f"{mapping}/{check}")
 
 
 @pytest.mark.parametrize("mapping", MAPPINGS)

@@ -27,12 +27,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import vjpkit  # noqa: E402
 
 
-class ScaledSin(vjpkit.Function):
-    """sin(x) * w, both rules."""
+class ScaledSinJvpOnly(vjpkit.Function):
+    """sin(x) * w with jvp only: reverse mode transposes the jvp."""
 
     @staticmethod
     def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
         ctx.save_for_forward(x, w)
         return jnp.sin(x) * w
 
@@ -40,26 +39,21 @@ class ScaledSin(vjpkit.Function):
     def jvp(ctx, tx, tw):
         x, w = ctx.saved_tensors
         return jnp.cos(x) * w * tx + jnp.sin(x) * tw
+
+
+class ScaledSin(ScaledSinJvpOnly):
+    """The same with both rules: its jvp, and a backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return ScaledSinJvpOnly.forward(ctx, x, w)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         # w is replicated: this device's share of its gradient, summed by vjpkit.
         return jnp.cos(x) * w * g, jnp.sum(jnp.sin(x) * g)
-
-
-class ScaledSinJvpOnly(vjpkit.Function):
-    """The same with jvp only: reverse mode transposes the jvp."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_forward(x, w)
-        return jnp.sin(x) * w
-
-    @staticmethod
-    def jvp(ctx, tx, tw):
-        x, w = ctx.saved_tensors
-        return jnp.cos(x) * w * tx + jnp.sin(x) * tw
 
 
 def scaled_sin(x, w):

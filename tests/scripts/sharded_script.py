@@ -22,7 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from functions import Tanh  # noqa: E402
+from functions import LinearFunction, Tanh  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
@@ -41,21 +41,8 @@ else:
     shard_map = functools.partial(_experimental_shard_map, check_rep=False)
 
 
-class Linear(vjpkit.Function):
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        return x @ w.T + b
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        gx = g @ w if ctx.needs_input_grad[0] else None
-        return gx, g.T @ x, g.sum(0)
-
-
 def model(params, x):
-    return Tanh.apply(Linear.apply(x, params["w"], params["b"]))
+    return Tanh.apply(LinearFunction.apply(x, params["w"], params["b"]))
 
 
 def loss(params, x, y):

@@ -98,32 +98,32 @@ def host_mul_loss(mul):
     return local
 
 
-def host_shard_map_gradient_of_varying_input():
+# Every host case: x (8 entries) split over the 4 devices, w (2) replicated.
+HOST_X, HOST_W = np.arange(8.0, dtype=np.float32), np.array([1.0, 2.0], np.float32)
+
+
+def host_shard_map_gradient(argnum):
+    """The gradient of the psum'd loss in shard_map with respect to x (varying, 0) or w (replicated, 1)."""
     mesh = host_mesh()
-    x, w = np.arange(8.0, dtype=np.float32), np.array([1.0, 2.0], np.float32)
 
-    def loss(mul):
+    def grad(mul):
         f = shard_map(host_mul_loss(mul), mesh=mesh, in_specs=(P("d"), P()), out_specs=P())
-        return jax.jit(jax.grad(lambda x, w: f(x, w), argnums=0))
+        return jax.jit(jax.grad(f, argnums=argnum))
 
-    close(loss(HostMul.apply)(x, w), loss(lambda x, w: x * w)(x, w))
+    close(grad(HostMul.apply)(HOST_X, HOST_W), grad(lambda x, w: x * w)(HOST_X, HOST_W))
+
+
+def host_shard_map_gradient_of_varying_input():
+    host_shard_map_gradient(0)
 
 
 def host_shard_map_gradient_of_replicated_input():
-    mesh = host_mesh()
-    x, w = np.arange(8.0, dtype=np.float32), np.array([1.0, 2.0], np.float32)
-
-    def loss(mul):
-        f = shard_map(host_mul_loss(mul), mesh=mesh, in_specs=(P("d"), P()), out_specs=P())
-        return jax.jit(jax.grad(lambda x, w: f(x, w), argnums=1))
-
-    close(loss(HostMul.apply)(x, w), loss(lambda x, w: x * w)(x, w))
+    host_shard_map_gradient(1)
 
 
 def host_grad_inside_shard_map_sums_replicated_gradient():
     # grad inside shard_map: w's gradient must be summed over devices (out_specs=P()).
-    mesh = host_mesh()
-    x, w = np.arange(8.0, dtype=np.float32), np.array([1.0, 2.0], np.float32)
+    mesh, x, w = host_mesh(), HOST_X, HOST_W
 
     def grads(mul):
         f = jax.grad(host_mul_loss(mul), argnums=(0, 1))
@@ -133,9 +133,8 @@ def host_grad_inside_shard_map_sums_replicated_gradient():
 
 
 def host_shard_map_forward_is_per_device():
-    mesh = host_mesh()
-    x, w = np.arange(8.0, dtype=np.float32), np.array([1.0, 2.0], np.float32)
-    f = shard_map(HostMul.apply, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
+    x, w = HOST_X, HOST_W
+    f = shard_map(HostMul.apply, mesh=host_mesh(), in_specs=(P("d"), P()), out_specs=P("d"))
     close(jax.jit(f)(x, w), x * np.tile(w, 4))
 
 
@@ -149,6 +148,12 @@ def explicit_inputs(mesh):
     return jax.device_put(x, NamedSharding(mesh, P("batch"))), jax.device_put(w, NamedSharding(mesh, P()))
 
 
+def explicit_batch():
+    """The 4 devices as one Explicit batch axis, and the inputs on it."""
+    mesh = make_mesh((4,), ("batch",), ("Explicit",))
+    return (mesh, *explicit_inputs(mesh))
+
+
 def linear_loss(linear):
     return lambda x, w: (jnp.tanh(linear(x, w)) ** 2).sum()
 
@@ -157,39 +162,32 @@ def plain_linear(x, w):
     return x @ w.T
 
 
-def check_gradients(mesh, linear, x, w):
+def check_gradients(mesh, linear, x, w, transform=jax.jit):
+    """``transform`` (jit, or none) of the gradients equals plain JAX's, each typed as its input."""
     with set_mesh(mesh):
-        got = jax.jit(jax.grad(linear_loss(linear), argnums=(0, 1)))(x, w)
-        want = jax.jit(jax.grad(linear_loss(plain_linear), argnums=(0, 1)))(x, w)
+        got = transform(jax.grad(linear_loss(linear), argnums=(0, 1)))(x, w)
+        want = transform(jax.grad(linear_loss(plain_linear), argnums=(0, 1)))(x, w)
     close(got, want)
     same_types(got, (x, w))
 
 
 def explicit_backward_contracting_sharded_batch():
-    mesh = make_mesh((4,), ("batch",), ("Explicit",))
-    x, w = explicit_inputs(mesh)
+    mesh, x, w = explicit_batch()
     check_gradients(mesh, Linear.apply, x, w)
 
 
 def explicit_backward_without_jit():
-    mesh = make_mesh((4,), ("batch",), ("Explicit",))
-    x, w = explicit_inputs(mesh)
-    with set_mesh(mesh):
-        got = jax.grad(linear_loss(Linear.apply), argnums=(0, 1))(x, w)
-        want = jax.grad(linear_loss(plain_linear), argnums=(0, 1))(x, w)
-    close(got, want)
-    same_types(got, (x, w))
+    mesh, x, w = explicit_batch()
+    check_gradients(mesh, Linear.apply, x, w, transform=lambda f: f)
 
 
 def explicit_backward_of_forward_mode_function():
-    mesh = make_mesh((4,), ("batch",), ("Explicit",))
-    x, w = explicit_inputs(mesh)
+    mesh, x, w = explicit_batch()
     check_gradients(mesh, LinearWithJvp.apply, x, w)
 
 
 def explicit_jvp():
-    mesh = make_mesh((4,), ("batch",), ("Explicit",))
-    x, w = explicit_inputs(mesh)
+    mesh, x, w = explicit_batch()
     with set_mesh(mesh):
         got = jax.jit(lambda x, w: jax.jvp(LinearWithJvp.apply, (x, w), (x, w)))(x, w)
         want = jax.jit(lambda x, w: jax.jvp(plain_linear, (x, w), (x, w)))(x, w)
@@ -197,8 +195,7 @@ def explicit_jvp():
 
 
 def explicit_host_function():
-    mesh = make_mesh((4,), ("batch",), ("Explicit",))
-    x, w = explicit_inputs(mesh)
+    mesh, x, w = explicit_batch()
     check_gradients(mesh, HostLinear.apply, x, w)
 
 
