@@ -7,14 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import DoubleNoRules, elementwise, fresh
+from functions import DoubleNoRules, fresh
 
 import vjpkit
 
 
 def _grad_with_backward_closing_over(y):
-    # 2 sin(x) whose backward's slope is 2 cos(y): y is the enclosing function's argument.
-    Sine = elementwise("Sine", lambda x: 2.0 * jnp.sin(x), lambda x, g: 2.0 * jnp.cos(y) * g, "input", doc="2 sin(x)")
+    class Sine(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2.0 * jnp.sin(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2.0 * jnp.cos(y) * g  # y: the enclosing function's argument
 
     return jax.grad(Sine.apply)(1.0)
 
