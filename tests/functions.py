@@ -10,9 +10,16 @@ The ``Stopped*`` Functions compute their output under ``stop_gradient``, so
 a higher-order derivative can only come from their rules, never from
 forward's code.
 
+``elementwise`` builds the one-input Functions (``Sin``, ``Exp``, ``Tanh`` and
+their variants) from their maths and slope, and ``bilinear`` the products
+(``Mul``, ``Linear``); each is a named class like the others. ``DoubleNoRules``
+and ``ZerosNoRules`` have no rules: a test's subclass adds the one it is about.
+
 ``REFERENCE`` maps each Function to the same math written in plain ``jnp``,
 the expected value for it under any transformation.
 """
+
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -20,78 +27,73 @@ import jax.numpy as jnp
 import vjpkit
 
 
-class Sin(vjpkit.Function):
-    """sin, saving its input; backward only."""
+def elementwise(name, f, times_slope, saves, rules=("backward",), stopped=False, *, doc):
+    """A Function computing ``f(x)`` whose rules come from one saved array.
 
-    @staticmethod
+    ``saves`` says which array forward saves: ``"input"`` (x) or ``"output"`` (y = f(x)), and
+    ``times_slope(saved, t)`` is f'(x) * t written from it. An elementwise derivative is its own
+    transpose, so backward (t is the cotangent g) and jvp (t is the tangent) share it. ``rules``:
+    ``"backward"``, ``"jvp"`` or both. ``stopped``: y is computed under stop_gradient.
+    """
+
     def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return jnp.sin(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * jnp.cos(x)
-
-
-class SinWithJvp(Sin):
-    """sin with both rules, each from the saved input (backward is Sin's)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        ctx.save_for_forward(x)
-        return jnp.sin(x)
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return jnp.cos(x) * t
-
-
-class SinJvpOnly(vjpkit.Function):
-    """sin with jvp only: reverse mode transposes the jvp."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_forward(x)
-        return jnp.sin(x)
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return jnp.cos(x) * t
-
-
-class Exp(vjpkit.Function):
-    """exp, whose backward reuses the saved output (differentiable twice)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.exp(x)
-        ctx.save_for_backward(y)
+        y = jax.lax.stop_gradient(f(x)) if stopped else f(x)
+        saved = x if saves == "input" else y
+        if "backward" in rules:
+            ctx.save_for_backward(saved)
+        if "jvp" in rules:
+            ctx.save_for_forward(saved)
         return y
 
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y
+    def rule(ctx, t):
+        (saved,) = ctx.saved_tensors
+        return times_slope(saved, t)
+
+    namespace = {"__doc__": doc, "__module__": __name__, "forward": staticmethod(forward)}
+    return type(name, (vjpkit.Function,), {**namespace, **{rule_name: staticmethod(rule) for rule_name in rules}})
 
 
-class ExpWithJvp(Exp):
-    """exp with both rules, each from the saved output (backward is Exp's)."""
+BOTH, JVP_ONLY = ("backward", "jvp"), ("jvp",)
 
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.exp(x)
-        ctx.save_for_backward(y)
-        ctx.save_for_forward(y)
-        return y
 
-    @staticmethod
-    def jvp(ctx, t):
-        (y,) = ctx.saved_tensors
-        return y * t
+def times_cos(x, t):  # sin's slope, from its input
+    return jnp.cos(x) * t
+
+
+def times_output(y, t):  # exp's slope is its output
+    return y * t
+
+
+def times_tanh_slope(y, t):  # tanh's slope, from its output
+    return t * (1 - y**2)
+
+
+def times_twice(x, t):  # x * x's slope, from its input
+    return 2 * x * t
+
+
+Sin = elementwise("Sin", jnp.sin, times_cos, "input", doc="sin, saving its input; backward only.")
+SinWithJvp = elementwise("SinWithJvp", jnp.sin, times_cos, "input", BOTH, doc="sin with both rules from its input.")
+SinJvpOnly = elementwise(
+    "SinJvpOnly", jnp.sin, times_cos, "input", JVP_ONLY, doc="sin, jvp only: reverse mode transposes it."
+)
+Exp = elementwise("Exp", jnp.exp, times_output, "output", doc="exp, backward from its output (differentiable twice).")
+ExpWithJvp = elementwise("ExpWithJvp", jnp.exp, times_output, "output", BOTH, doc="exp, both rules from its output.")
+StoppedExp = elementwise("StoppedExp", jnp.exp, times_output, "output", stopped=True, doc="exp under stop_gradient.")
+StoppedExpWithJvp = elementwise(
+    "StoppedExpWithJvp", jnp.exp, times_output, "output", BOTH, stopped=True, doc="StoppedExp with both rules."
+)
+Square = elementwise("Square", lambda x: x * x, times_twice, "input", doc="x * x, saving its input.")
+SquareWithJvp = elementwise("SquareWithJvp", lambda x: x * x, times_twice, "input", BOTH, doc="Square with a jvp too.")
+Log = elementwise("Log", jnp.log, lambda x, g: g / x, "input", doc="log, saving its input.")
+Tanh = elementwise("Tanh", jnp.tanh, times_tanh_slope, "output", doc="tanh, backward from its output.")
+StoppedTanh = elementwise("StoppedTanh", jnp.tanh, times_tanh_slope, "output", stopped=True, doc="tanh, stopped.")
+StoppedTanhJvpOnly = elementwise(
+    "StoppedTanhJvpOnly", jnp.tanh, times_tanh_slope, "output", JVP_ONLY, stopped=True, doc="StoppedTanh, jvp only."
+)
+StoppedTanhWithJvp = elementwise(
+    "StoppedTanhWithJvp", jnp.tanh, times_tanh_slope, "output", BOTH, stopped=True, doc="StoppedTanh, both rules."
+)
 
 
 class ScaledExp(vjpkit.Function):
@@ -109,85 +111,6 @@ class ScaledExp(vjpkit.Function):
         return g * y, None
 
 
-class StoppedExp(Exp):
-    """exp under stop_gradient, saving its output (backward is Exp's)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.exp(x))
-        ctx.save_for_backward(y)
-        return y
-
-
-class StoppedExpWithJvp(ExpWithJvp):
-    """exp under stop_gradient with both rules from the saved output (ExpWithJvp's)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.exp(x))
-        ctx.save_for_backward(y)
-        ctx.save_for_forward(y)
-        return y
-
-
-class Square(vjpkit.Function):
-    """x * x, saving its input."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
-
-
-class SquareWithJvp(Square):
-    """Square with a jvp too, from the same saved input (backward is Square's)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        ctx.save_for_forward(x)
-        return x * x
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return 2 * x * t
-
-
-class Log(vjpkit.Function):
-    """log, saving its input."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return jnp.log(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g / x
-
-
-class Tanh(vjpkit.Function):
-    """tanh, whose backward reuses the saved output."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * (1 - y**2)
-
-
 class TanhSavingAStoppedSlope(vjpkit.Function):
     """tanh saving its slope computed under stop_gradient: the slope stays constant at second order."""
 
@@ -203,85 +126,48 @@ class TanhSavingAStoppedSlope(vjpkit.Function):
         return g * slope
 
 
-class StoppedTanh(Tanh):
-    """tanh under stop_gradient, backward from the saved output (Tanh's)."""
+def bilinear(name, product, gradients, rules=("backward",), *, doc):
+    """A Function computing ``product(x, w)``, bilinear in its two inputs, both saved.
 
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.tanh(x))
-        ctx.save_for_backward(y)
-        return y
+    ``gradients(x, w, g)`` is backward's pair; the jvp, ``product(tx, w) + product(x, tw)``, follows
+    from bilinearity. ``rules``: ``"backward"`` or both.
+    """
 
-
-class StoppedTanhJvpOnly(vjpkit.Function):
-    """tanh under stop_gradient with jvp only: reverse mode transposes the jvp."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.tanh(x))
-        ctx.save_for_forward(y)
-        return y
-
-    @staticmethod
-    def jvp(ctx, t):
-        (y,) = ctx.saved_tensors
-        return t * (1 - y**2)
-
-
-class StoppedTanhWithJvp(StoppedTanhJvpOnly):
-    """tanh under stop_gradient with both rules from the saved output (jvp is StoppedTanhJvpOnly's)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jax.lax.stop_gradient(jnp.tanh(x))
-        ctx.save_for_backward(y)
-        ctx.save_for_forward(y)
-        return y
-
-    backward = staticmethod(Tanh.backward)
-
-
-class Mul(vjpkit.Function):
-    """Broadcasting product: backward returns output-shaped gradients, summed down by vjpkit."""
-
-    @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        return x * w
+        if "jvp" in rules:
+            ctx.save_for_forward(x, w)
+        return product(x, w)
 
-    @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        return g * w, g * x
+        return gradients(x, w, g)
 
-
-class MulWithJvp(Mul):
-    """Mul with a jvp too (backward is Mul's)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        ctx.save_for_forward(x, w)
-        return x * w
-
-    @staticmethod
     def jvp(ctx, tx, tw):
         x, w = ctx.saved_tensors
-        return tx * w + x * tw
+        return product(tx, w) + product(x, tw)
+
+    namespace = {
+        "__doc__": doc,
+        "__module__": __name__,
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward),
+    }
+    return type(name, (vjpkit.Function,), {**namespace, **({"jvp": staticmethod(jvp)} if "jvp" in rules else {})})
 
 
-class Linear(vjpkit.Function):
-    """x @ w.T without bias, as ported from PyTorch: backward's ``g.T @ x`` contracts the batch axis."""
+def product_gradients(x, w, g):  # of x * w: output-shaped, summed down by vjpkit where x or w broadcast
+    return g * w, g * x
 
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.T
 
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g @ w, g.T @ x
+def matmul_gradients(x, w, g):  # of x @ w.T: ``g.T @ x`` contracts the batch axis
+    return g @ w, g.T @ x
+
+
+Mul = bilinear("Mul", operator.mul, product_gradients, doc="Broadcasting product x * w.")
+MulWithJvp = bilinear("MulWithJvp", operator.mul, product_gradients, BOTH, doc="Mul with a jvp too.")
+Linear = bilinear("Linear", lambda x, w: x @ w.T, matmul_gradients, doc="x @ w.T without bias, as ported from PyTorch.")
+LinearWithJvp = bilinear("LinearWithJvp", lambda x, w: x @ w.T, matmul_gradients, BOTH, doc="Linear with a jvp too.")
 
 
 class LinearFunction(vjpkit.Function):
@@ -302,55 +188,77 @@ class LinearFunction(vjpkit.Function):
         return gx, gw, gb
 
 
-class LinearWithJvp(Linear):
-    """Linear with a jvp too (backward is Linear's)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        ctx.save_for_forward(x, w)
-        return x @ w.T
-
-    @staticmethod
-    def jvp(ctx, tx, tw):
-        x, w = ctx.saved_tensors
-        return tx @ w.T + x @ tw.T
+def scalar_product_gradients(x, c, g):  # of x * c for a 0-d c: c's gradient is a sum
+    return g * c, (g * x).sum()
 
 
-class MulByScalar(vjpkit.Function):
-    """x times a traced scalar c (a 0-d array): c's gradient is a sum."""
-
-    @staticmethod
-    def forward(ctx, x, c):
-        ctx.save_for_backward(x, c)
-        ctx.save_for_forward(x, c)
-        return x * c
-
-    @staticmethod
-    def backward(ctx, g):
-        x, c = ctx.saved_tensors
-        return g * c, (g * x).sum()
+MulByScalar = bilinear(
+    "MulByScalar", operator.mul, scalar_product_gradients, doc="x times a traced scalar c (a 0-d array)."
+)
+MulByScalarWithJvp = bilinear(
+    "MulByScalarWithJvp", operator.mul, scalar_product_gradients, BOTH, doc="MulByScalar with a jvp too."
+)
 
 
-class MulByScalarWithJvp(MulByScalar):
-    """MulByScalar with a jvp too (forward and backward are MulByScalar's)."""
-
-    @staticmethod
-    def jvp(ctx, tx, tc):
-        x, c = ctx.saved_tensors
-        return tx * c + x * tc
-
-
-class Double(vjpkit.Function):
-    """2 * x, saving nothing."""
+class DoubleNoRules(vjpkit.Function):
+    """2 * x with no rules (neither backward nor jvp): the base of a test's Function that adds one."""
 
     @staticmethod
     def forward(ctx, x):
         return 2 * x
 
+
+class Double(DoubleNoRules):
+    """2 * x, saving nothing (forward is DoubleNoRules's)."""
+
     @staticmethod
     def backward(ctx, g):
         return 2 * g
+
+
+class SinCos(vjpkit.Function):
+    """(sin(x), cos(x)), both saved: backward takes one gradient per output and uses both."""
+
+    @staticmethod
+    def forward(ctx, x):
+        sin, cos = jnp.sin(x), jnp.cos(x)
+        ctx.save_for_backward(sin, cos)
+        return sin, cos
+
+    @staticmethod
+    def backward(ctx, g_sin, g_cos):
+        sin, cos = ctx.saved_tensors
+        return g_sin * cos - g_cos * sin
+
+
+class SinCosWithJvp(SinCos):
+    """SinCos with a jvp too, returning one tangent per output (backward is SinCos's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        sin, cos = SinCos.forward(ctx, x)
+        ctx.save_for_forward(sin, cos)
+        return sin, cos
+
+    @staticmethod
+    def jvp(ctx, t):
+        sin, cos = ctx.saved_tensors
+        return cos * t, -sin * t
+
+
+class AddBias(vjpkit.Function):
+    """x + b, backward returning g for both: b's gradient has the broadcast shape, summed down by vjpkit."""
+
+    forward = staticmethod(lambda ctx, x, b: x + b)
+    backward = staticmethod(lambda ctx, g: (g, g))
+
+
+class ZerosNoRules(vjpkit.Function):
+    """Zeros like x with no rules: the base of a test's Function whose rule passes the gradient through anyway."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return jnp.zeros(x.shape, x.dtype)
 
 
 class Gather(vjpkit.Function):
@@ -358,8 +266,8 @@ class Gather(vjpkit.Function):
 
     @staticmethod
     def forward(ctx, x, idx):
-        ctx.save_for_backward(idx)
         ctx.n = x.shape[0]
+        ctx.save_for_backward(idx)
         return x[idx]
 
     @staticmethod
@@ -371,13 +279,8 @@ class Gather(vjpkit.Function):
 class Identity(vjpkit.Function):
     """Returns its input; the gradient passes through."""
 
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
+    forward = staticmethod(lambda ctx, x: x)
+    backward = staticmethod(lambda ctx, g: g)
 
 
 class Scale(vjpkit.Function):
@@ -403,7 +306,7 @@ class WeightedSin(vjpkit.Function):
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        return _weighted_sin(x, w)
+        return jnp.sin(x) * w, w**2
 
     @staticmethod
     def backward(ctx, g_product, g_square):
@@ -416,9 +319,8 @@ class WeightedSinWithJvp(WeightedSin):
 
     @staticmethod
     def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
         ctx.save_for_forward(x, w)
-        return _weighted_sin(x, w)
+        return WeightedSin.forward(ctx, x, w)
 
     @staticmethod
     def jvp(ctx, tx, tw):
@@ -431,6 +333,24 @@ class WeightedSinJvpOnly(vjpkit.Function):
 
     forward = staticmethod(WeightedSinWithJvp.forward)
     jvp = staticmethod(WeightedSinWithJvp.jvp)
+
+
+class MulConstantAsWritten:
+    """PyTorch's tutorial MulConstant, setup_context style, as a plain class: ``vjpkit.function`` of it (with any
+    options) is a Function, and its code runs unchanged on PyTorch tensors too. The constant is static."""
+
+    @staticmethod
+    def forward(tensor, constant):
+        return tensor * constant
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, constant = inputs
+        ctx.constant = constant
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output * ctx.constant, None
 
 
 def fresh(cls, name=None, **attributes):
@@ -470,7 +390,12 @@ REFERENCE = {
     LinearWithJvp: lambda x, w: x @ w.T,
     MulByScalar: lambda x, c: x * c,
     MulByScalarWithJvp: lambda x, c: x * c,
+    DoubleNoRules: lambda x: 2 * x,
     Double: lambda x: 2 * x,
+    SinCos: lambda x: (jnp.sin(x), jnp.cos(x)),
+    SinCosWithJvp: lambda x: (jnp.sin(x), jnp.cos(x)),
+    AddBias: lambda x, b: x + b,
+    ZerosNoRules: jnp.zeros_like,
     Gather: lambda x, idx: x[idx],
     Identity: lambda x: x,
     Scale: lambda x, c=2.0: c * x,
@@ -478,4 +403,3 @@ REFERENCE = {
     WeightedSinWithJvp: _weighted_sin,
     WeightedSinJvpOnly: _weighted_sin,
 }
-

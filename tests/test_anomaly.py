@@ -49,19 +49,9 @@ class Div(vjpkit.Function):
         return g / y, -g * x / (y * y), None
 
 
-class Sqrt(vjpkit.Function):
-    """Forward mode only: the tangent is inf at 0."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = jnp.sqrt(x)
-        ctx.save_for_forward(y)
-        return y
-
-    @staticmethod
-    def jvp(ctx, t):
-        (y,) = ctx.saved_tensors
-        return t / (2 * y)
+Sqrt = functions.elementwise(
+    "Sqrt", jnp.sqrt, lambda y, t: t / (2 * y), "output", functions.JVP_ONLY, doc="jvp only: the tangent is inf at 0."
+)
 
 
 def exp_loss(x):
@@ -219,11 +209,7 @@ def test_checks_run_inside_a_scan_body():
 
 
 def test_once_differentiable_backward_is_checked():
-    class Clip(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
+    class Clip(functions.Identity):
         @staticmethod
         @vjpkit.once_differentiable
         def backward(ctx, g):
@@ -261,15 +247,7 @@ def test_the_fast_path_does_not_skip_the_checks():
 
 
 def test_checked_and_unchecked_programs_are_cached_apart():
-    class Square(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * x
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
+    Square = functions.fresh(functions.Square)  # a class of its own: the test counts its programs
     Square.apply(X)
     with detect_anomaly():
         Square.apply(X)
@@ -357,16 +335,7 @@ def test_off_the_optimized_program_matches_a_hand_written_custom_vjp():
 
 
 def test_jit_false_functions_are_checked_op_by_op():
-    @vjpkit.function(jit=False)
-    class EagerLog:
-        @staticmethod
-        def forward(ctx, x):
-            return jnp.log(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
+    EagerLog = functions.fresh(Log, "EagerLog", jit=False)
     with pytest.raises(FloatingPointError, match=r"EagerLog\.forward returned nan in output 0"):
         with detect_anomaly():
             EagerLog.apply(jnp.array([1.0, -1.0]))

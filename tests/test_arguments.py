@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import MulByScalar
+from functions import AddBias, MulByScalar, SinCos
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,15 +29,21 @@ ZEROS = jnp.zeros(3)
 # Static arguments
 
 
-def test_python_scalar_argument_is_static():
-    seen = []
+def scale_recording(seen):
+    """A new ``functions.Scale`` (caches of its own) whose forward appends the type of c it sees to ``seen``."""
 
-    class MulConstant(functions.Scale):  # records what forward sees of c
+    class Scale(functions.Scale):
         @staticmethod
         def forward(ctx, x, c):
             seen.append(type(c))
             return functions.Scale.forward(ctx, x, c)
 
+    return Scale
+
+
+def test_python_scalar_argument_is_static():
+    seen = []
+    MulConstant = scale_recording(seen)
     chex.assert_trees_all_close(MulConstant.apply(X, 3.0), 3.0 * X)
     chex.assert_trees_all_close(jax.grad(lambda x: MulConstant.apply(x, 3.0).sum())(X), jnp.full(3, 3.0))
     assert set(seen) == {float}  # the Python value itself, never a tracer
@@ -105,13 +111,7 @@ def test_callable_argument_is_static():
 
 def test_static_arguments_of_equal_value_but_different_type_are_distinct_programs():
     seen = []
-
-    class Scale(functions.Scale):  # records what forward sees of c
-        @staticmethod
-        def forward(ctx, x, c):
-            seen.append(type(c))
-            return functions.Scale.forward(ctx, x, c)
-
+    Scale = scale_recording(seen)
     for c in (1, 1.0, True):
         Scale.apply(X, c)
     assert Scale.cache_info().programs == 3
@@ -330,8 +330,9 @@ def test_pytree_output_gets_one_gradient_with_its_structure():
     class Split(vjpkit.Function):
         @staticmethod
         def forward(ctx, x):
+            out = {"sin": jnp.sin(x), "parts": [x * 2, x**2]}
             ctx.save_for_backward(x)
-            return {"sin": jnp.sin(x), "parts": [x * 2, x**2]}
+            return out
 
         @staticmethod
         def backward(ctx, g):
@@ -351,17 +352,7 @@ def test_pytree_output_gets_one_gradient_with_its_structure():
 
 
 def test_tuple_output_spreads_to_backward_positional_arguments():
-    class SinCos(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return jnp.sin(x), jnp.cos(x)
-
-        @staticmethod
-        def backward(ctx, g_sin, g_cos):
-            (x,) = ctx.saved_tensors
-            return g_sin * jnp.cos(x) - g_cos * jnp.sin(x)
-
+    # SinCos.backward(ctx, g_sin, g_cos)
     def loss(f, x):
         s, c = f(x)
         return (s * 3 + c**2).sum()
@@ -388,7 +379,15 @@ def test_non_array_output_leaves_pass_through_as_static():
     chex.assert_trees_all_close(jax.grad(lambda x: Tagged.apply(x)["y"].sum())(X), jnp.full(3, 2.0))
 
 
-def test_one_parameter_whose_value_is_a_tuple_gets_a_tuple_gradient():
+@pytest.mark.parametrize(
+    "returned",
+    [
+        lambda gradient: gradient,  # matches the parameter's structure: its gradient
+        lambda gradient: (gradient,),  # the tuple of per-parameter gradients
+    ],
+    ids=["its_gradient", "a_one_element_tuple_of_it"],
+)
+def test_one_parameter_whose_value_is_a_tuple_gets_a_tuple_gradient(returned):
     class Mul(vjpkit.Function):
         @staticmethod
         def forward(ctx, pair):
@@ -399,24 +398,7 @@ def test_one_parameter_whose_value_is_a_tuple_gets_a_tuple_gradient():
         @staticmethod
         def backward(ctx, g):
             a, b = ctx.saved_tensors
-            return g * b, g * a  # matches the parameter's structure: its gradient
-
-    ga, gb = jax.grad(lambda p: Mul.apply(p).sum())((X, W))
-    chex.assert_trees_all_close((ga, gb), (W, X))
-
-
-def test_one_tuple_parameter_accepts_a_one_element_tuple_of_its_gradient():
-    class Mul(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, pair):
-            a, b = pair
-            ctx.save_for_backward(a, b)
-            return a * b
-
-        @staticmethod
-        def backward(ctx, g):
-            a, b = ctx.saved_tensors
-            return ((g * b, g * a),)  # the tuple of per-parameter gradients
+            return returned((g * b, g * a))
 
     ga, gb = jax.grad(lambda p: Mul.apply(p).sum())((X, W))
     chex.assert_trees_all_close((ga, gb), (W, X))
@@ -508,15 +490,7 @@ def test_numpy_array_inputs_are_traced():
 
 
 def test_broadcast_gradient_is_summed_down_to_the_input_shape():
-    class AddBias(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, b):
-            return x + b
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, g  # g has x's shape (4, 3); b is (1, 3)
-
+    # AddBias's backward returns g, of x's shape (4, 3), for b of shape (1, 3).
     x = jnp.arange(12.0).reshape(4, 3)
     b = jnp.array([[1.0, 2.0, 3.0]])
     gb = jax.grad(lambda b: (AddBias.apply(x, b) * x).sum())(b)
@@ -526,15 +500,7 @@ def test_broadcast_gradient_is_summed_down_to_the_input_shape():
 
 
 def test_broadcast_gradient_with_leading_axes_is_summed_down():
-    class AddBias(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, b):
-            return x + b
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, g  # (2, 4, 3) for b of shape (3,)
-
+    # AddBias's backward returns g, of shape (2, 4, 3), for b of shape (3,).
     x = jnp.ones((2, 4, 3))
     gb = jax.grad(lambda b: AddBias.apply(x, b).sum())(jnp.zeros(3))
     chex.assert_trees_all_close(gb, jnp.full(3, 8.0))
@@ -549,16 +515,6 @@ def test_any_broadcast_gradient_is_summed_down_like_autodiff(b_shape, lead):
     # x has the full broadcast shape; b is broadcast up to it in forward.
     b_shape = tuple(b_shape)
     x_shape = (*lead, *(2 for _ in b_shape))
-
-    class AddBias(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x, b):
-            return x + b
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, g
-
     x = jnp.arange(np.prod(x_shape), dtype=jnp.float32).reshape(x_shape)
     b = jnp.ones(b_shape)
     gb = jax.grad(lambda b: (AddBias.apply(x, b) * x).sum())(b)
@@ -568,18 +524,14 @@ def test_any_broadcast_gradient_is_summed_down_like_autodiff(b_shape, lead):
 
 
 def test_gradient_of_another_float_dtype_is_cast_to_the_input_dtype():
-    class Half(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 3
-
+    class Half(functions.Double):
         @staticmethod
         def backward(ctx, g):
-            return (g * 3).astype(jnp.bfloat16)
+            return (g * 2).astype(jnp.bfloat16)
 
     gx = jax.grad(lambda x: Half.apply(x).sum())(X)
     assert gx.dtype == jnp.float32
-    chex.assert_trees_all_close(gx, jnp.full(3, 3.0))
+    chex.assert_trees_all_close(gx, jnp.full(3, 2.0))
 
 
 def test_real_gradient_for_a_complex_input_is_cast():

@@ -1,30 +1,15 @@
-"""Functions whose methods close over values of an enclosing transformation (classes made inside it)."""
+"""Functions whose methods close over values of an enclosing transformation (classes made inside it).
+
+A forward saving a closed-over vmap tracer is peer/test_jax_custom_vjp.py's test_closed_over_tracer3.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import DoubleNoRules, fresh
 
 import vjpkit
-
-
-def test_forward_saving_a_closed_over_vmap_tracer():
-    # A class made inside the vmapped function; jax.custom_vjp supports the same.
-    def per_example(x):
-        class Scale(vjpkit.Function):
-            @staticmethod
-            def forward(ctx, y):
-                ctx.save_for_backward(x, jnp.cos(y))
-                return x * y
-
-            @staticmethod
-            def backward(ctx, g):
-                x_saved, cos_y = ctx.saved_tensors
-                return cos_y * g * x_saved
-
-        return jax.grad(Scale.apply)(3.0)
-
-    np.testing.assert_allclose(jax.vmap(per_example)(jnp.arange(3.0)), np.cos(3.0) * np.arange(3.0), rtol=1e-6)
 
 
 def _grad_with_backward_closing_over(y):
@@ -57,11 +42,7 @@ def test_backward_closing_over_a_value_being_differentiated():
 
 def test_jvp_closing_over_a_vmap_tracer():
     def per_example(y):
-        class Scale(vjpkit.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x * 2.0
-
+        class Scale(DoubleNoRules):
             @staticmethod
             def jvp(ctx, t):
                 return t * y
@@ -71,18 +52,20 @@ def test_jvp_closing_over_a_vmap_tracer():
     np.testing.assert_allclose(jax.vmap(per_example)(jnp.arange(3.0)), np.arange(3.0))
 
 
+def _scale_closing_over(w, rule):
+    """``Scale``: x * w, with one ``rule`` ("backward" or "jvp") multiplying by w too; both close over w."""
+
+    class ForwardOnly(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * w
+
+    return fresh(ForwardOnly, "Scale", **{rule: staticmethod(lambda ctx, t: t * w)})
+
+
 def test_forward_closing_over_a_differentiated_value_names_the_class():
     def loss(w):
-        class Scale(vjpkit.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x * w
-
-            @staticmethod
-            def backward(ctx, g):
-                return g * w
-
-        return Scale.apply(jnp.float32(2.0))
+        return _scale_closing_over(w, "backward").apply(jnp.float32(2.0))
 
     with pytest.raises(TypeError, match=r"Scale.forward uses a value that JAX is differentiating.*Scale closes over"):
         jax.grad(loss)(3.0)
@@ -90,16 +73,7 @@ def test_forward_closing_over_a_differentiated_value_names_the_class():
 
 def test_jvp_function_closing_over_a_differentiated_value_names_the_class():
     def output(w):
-        class Scale(vjpkit.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x * w
-
-            @staticmethod
-            def jvp(ctx, t):
-                return t * w
-
-        return Scale.apply(jnp.float32(2.0))
+        return _scale_closing_over(w, "jvp").apply(jnp.float32(2.0))
 
     with pytest.raises(TypeError, match=r"Scale.forward uses a value that JAX is differentiating"):
         jax.jvp(output, (3.0,), (1.0,))
@@ -150,20 +124,8 @@ def test_function_argument_taking_the_parameters_as_an_argument():
 def _scale_by(y):
     """A class made inside the transformed function, with jvp and backward both closing over its y."""
 
-    class Scale(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2.0
-
-        @staticmethod
-        def jvp(ctx, t):
-            return t * y
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * y
-
-    return Scale
+    jvp, backward = staticmethod(lambda ctx, t: t * y), staticmethod(lambda ctx, g: g * y)
+    return fresh(DoubleNoRules, "Scale", jvp=jvp, backward=backward)
 
 
 def test_jvp_and_backward_closing_over_a_vmap_tracer_in_forward_mode():

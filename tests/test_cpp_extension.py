@@ -65,6 +65,18 @@ def ext(build_directory):
     return load(build_directory, ["Scale", "SumAndProduct"])
 
 
+def failing_compiler(monkeypatch, message):
+    """Puts a stand-in compiler in subprocess.run that fails with ``message``; the list of the commands it gets."""
+    commands = []
+
+    def compiler(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode=1, stdout="", stderr=message)
+
+    monkeypatch.setattr(subprocess, "run", compiler)
+    return commands
+
+
 def like(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
@@ -116,13 +128,7 @@ def test_same_source_loads_the_cached_library_without_compiling(ext, build_direc
 
 
 def test_changed_source_is_built_again(ext, build_directory, monkeypatch):
-    commands = []
-
-    def failing_compiler(command, **kwargs):
-        commands.append(command)
-        return subprocess.CompletedProcess(command, returncode=1, stdout="", stderr="stand-in compiler\n")
-
-    monkeypatch.setattr(subprocess, "run", failing_compiler)
+    commands = failing_compiler(monkeypatch, "stand-in compiler\n")
     with pytest.raises(cpp_extension.BuildError, match="stand-in compiler"):
         load(build_directory, source=SOURCE + "// edited\n")
     assert len(commands) == 1
@@ -244,10 +250,7 @@ def test_library_that_cannot_be_loaded_after_building_raises_build_error_naming_
 
 
 def test_cache_key_holds_the_cpu_architecture(monkeypatch, tmp_path):
-    def no_compiler(command, **kwargs):
-        return subprocess.CompletedProcess(command, returncode=1, stdout="", stderr="not built\n")
-
-    monkeypatch.setattr(subprocess, "run", no_compiler)
+    failing_compiler(monkeypatch, "not built\n")
     entries = set()
     for machine in ("x86_64", "aarch64"):
         monkeypatch.setattr(platform, "machine", lambda machine=machine: machine)
@@ -259,13 +262,7 @@ def test_cache_key_holds_the_cpu_architecture(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("variable", ["CXXFLAGS", "CPPFLAGS", "LDFLAGS"])
 def test_cache_key_holds_the_compiler_flags_from_the_environment(monkeypatch, tmp_path, variable):
-    commands = []
-
-    def no_compiler(command, **kwargs):
-        commands.append(command)
-        return subprocess.CompletedProcess(command, returncode=1, stdout="", stderr="not built\n")
-
-    monkeypatch.setattr(subprocess, "run", no_compiler)
+    commands = failing_compiler(monkeypatch, "not built\n")
     for value in ("", "-DVARIANT=1"):
         monkeypatch.setenv(variable, value)
         with pytest.raises(cpp_extension.BuildError):

@@ -70,13 +70,8 @@ def test_save_for_backward_last_call_wins():
 def _square_reading_saved_variables():
     """A fresh class each time: the warning comes while JAX traces, once per class and signature."""
 
-    class Square(functions.Square):  # its forward saves x
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_variables
-            return 2 * x * g
-
-    return Square
+    backward = staticmethod(lambda ctx, g: 2 * ctx.saved_variables[0] * g)
+    return functions.fresh(functions.Square, backward=backward)  # its forward saves x
 
 
 def test_saved_variables_is_saved_tensors_with_a_deprecation_warning():
@@ -173,39 +168,24 @@ def test_needs_input_grad_is_all_false_in_plain_evaluation():
     assert seen == [("forward", (False, False, False))]
 
 
-def test_needs_input_grad_is_true_only_for_the_differentiated_input():
+@pytest.mark.parametrize(
+    ("differentiate", "want_gradient", "needs"),
+    [
+        (lambda mul: jax.grad(lambda x, w: mul(x, w).sum(), argnums=0)(X, W), 2.0 * W, (True, False, False)),
+        (lambda mul: jax.grad(lambda x, w: mul(x, w).sum(), argnums=1)(X, W), 2.0 * X, (False, True, False)),
+        (lambda mul: jax.grad(lambda x, w: mul(x, w).sum(), argnums=(0, 1))(X, W), (2.0 * W, 2.0 * X),
+         (True, True, False)),
+        (lambda mul: jax.grad(lambda x: mul(x, W, scale=3.0).sum())(X), 3.0 * W, (True, False, False)),
+    ],
+    ids=["only_the_differentiated_input", "follows_argnums", "every_differentiated_input",
+         "false_for_a_static_input_passed_by_keyword"],
+)
+def test_needs_input_grad_is_true_exactly_for_the_differentiated_inputs(differentiate, want_gradient, needs):
     seen = []
-    Mul = _recording_mul(seen)
-    gx = jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=0)(X, W)
-    chex.assert_trees_all_close(gx, 2.0 * W)
-    assert_forward_saw(_needs_seen_in(seen, "forward"), (True, False, False))
-    assert _needs_seen_in(seen, "backward") == [(True, False, False)]
-
-
-def test_needs_input_grad_follows_argnums():
-    seen = []
-    Mul = _recording_mul(seen)
-    gw = jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=1)(X, W)
-    chex.assert_trees_all_close(gw, 2.0 * X)
-    assert_forward_saw(_needs_seen_in(seen, "forward"), (False, True, False))
-    assert _needs_seen_in(seen, "backward") == [(False, True, False)]
-
-
-def test_needs_input_grad_is_true_for_every_differentiated_input():
-    seen = []
-    Mul = _recording_mul(seen)
-    jax.grad(lambda x, w: Mul.apply(x, w).sum(), argnums=(0, 1))(X, W)
-    assert_forward_saw(_needs_seen_in(seen, "forward"), (True, True, False))
-    assert _needs_seen_in(seen, "backward") == [(True, True, False)]
-
-
-def test_needs_input_grad_is_false_for_a_static_input_passed_by_keyword():
-    seen = []
-    Mul = _recording_mul(seen)
-    gx = jax.grad(lambda x: Mul.apply(x, W, scale=3.0).sum())(X)
-    chex.assert_trees_all_close(gx, 3.0 * W)
-    assert_forward_saw(_needs_seen_in(seen, "forward"), (True, False, False))
-    assert _needs_seen_in(seen, "backward") == [(True, False, False)]
+    gradient = differentiate(_recording_mul(seen).apply)
+    chex.assert_trees_all_close(gradient, want_gradient)
+    assert_forward_saw(_needs_seen_in(seen, "forward"), needs)
+    assert _needs_seen_in(seen, "backward") == [needs]
 
 
 def test_needs_input_grad_is_false_for_an_integer_input():
@@ -227,7 +207,7 @@ def test_needs_input_grad_is_false_for_an_integer_input():
 def test_needs_input_grad_is_readable_in_setup_context():
     seen = []
 
-    class Mul(vjpkit.Function):
+    class Mul(functions.Mul):  # its backward, with forward's saving done in setup_context
         @staticmethod
         def forward(x, w):
             return x * w
@@ -236,11 +216,6 @@ def test_needs_input_grad_is_readable_in_setup_context():
         def setup_context(ctx, inputs, output):
             seen.append(ctx.needs_input_grad)
             ctx.save_for_backward(*inputs)
-
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g * w, g * x
 
     jax.grad(lambda w: Mul.apply(X, w).sum())(W)
     assert_forward_saw(seen, (False, True))
@@ -467,12 +442,8 @@ def test_used_outputs_both_get_their_gradients():
 def test_non_differentiable_output_carries_no_gradient():
     seen = []
     SinCos = _sin_cos(seen, mark=True)
-
-    def loss(x):
-        s, c = SinCos.apply(x)
-        return (s + c).sum()  # c is used, but marked non-differentiable
-
-    chex.assert_trees_all_close(jax.grad(loss)(X), jnp.cos(X))
+    g = jax.grad(lambda x: jnp.add(*SinCos.apply(x)).sum())(X)  # cos is used, but marked non-differentiable
+    chex.assert_trees_all_close(g, jnp.cos(X))
     assert seen == [(False, False)]  # its slot holds zeros
 
 
@@ -609,19 +580,7 @@ def test_setup_context_style_with_decorator_and_tuple_output():
 
 
 def _once_differentiable_square():
-    class Square(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x**2
-
-        @staticmethod
-        @vjpkit.once_differentiable
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 2 * x * g
-
-    return Square
+    return functions.once(functions.Square, "Square")  # a new class each call
 
 
 def test_once_differentiable_backward_works_at_first_order():

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import Double, Mul, Sin, fresh
+from functions import Double, Identity, Mul, Sin, fresh
 
 import vjpkit
 from vjpkit import _jax_internals  # a JAX-version flag (which message this JAX gives): no public API says it
@@ -27,6 +27,21 @@ def returning(result_of):
         @staticmethod
         def forward(ctx, x, w, c=2.0):
             return x * w * c
+
+        @staticmethod
+        def backward(ctx, g):
+            return result_of(g)
+
+    return Bad
+
+
+def params_returning(result_of):
+    """A Function ``Bad(params)``, ``params["w"] * params["b"]``, whose backward returns ``result_of(g)``."""
+
+    class Bad(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, params):
+            return params["w"] * params["b"]
 
         @staticmethod
         def backward(ctx, g):
@@ -75,15 +90,7 @@ def test_too_many_gradients_for_a_single_input_raises():
 
 
 def test_gradient_of_the_wrong_structure_raises():
-    class Bad(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, params):
-            return params["w"] * params["b"]
-
-        @staticmethod
-        def backward(ctx, g):
-            return {"w": g}  # "b" is missing
-
+    Bad = params_returning(lambda g: {"w": g})  # "b" is missing
     params = {"w": X, "b": W}
     with pytest.raises(TypeError, match=r"Bad\.backward returned a gradient for input 0 \('params'\) with structure "
                                         r".*expected the input's structure"):
@@ -98,15 +105,7 @@ def test_gradient_of_the_wrong_shape_raises():
 
 
 def test_gradient_of_the_wrong_shape_for_a_leaf_of_a_pytree_input_names_the_leaf():
-    class Bad(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, params):
-            return params["w"] * params["b"]
-
-        @staticmethod
-        def backward(ctx, g):
-            return {"b": g, "w": g[:2]}
-
+    Bad = params_returning(lambda g: {"b": g, "w": g[:2]})
     params = {"w": X, "b": W}
     with pytest.raises(ValueError, match=r"Bad\.backward returned a gradient of shape \(2,\) for input 0 "
                                          r"\('params'\) at leaf 1: expected shape \(3,\)"):
@@ -153,32 +152,23 @@ def test_python_float_gradient_raises():
 
 
 def test_save_for_backward_of_a_non_array_raises_naming_the_position():
-    class Bad(vjpkit.Function):
+    class Bad(Identity):
         @staticmethod
         def forward(ctx, x):
             ctx.save_for_backward(x, None, 3.0)
             return x
 
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
     with pytest.raises(TypeError, match=r"Bad\.forward: save_for_backward takes arrays or None, but argument 2 is "
                                         r"float \(3\.0\)"):
-        Bad.apply(X)
+        Bad(X)
 
 
 def test_mark_dirty_of_a_non_input_raises():
-    class Bad(vjpkit.Function):
+    class Bad(Double):
         @staticmethod
         def forward(ctx, x):
-            y = x * 2
-            ctx.mark_dirty(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * g
+            ctx.mark_dirty(x + 1)  # an intermediate array, not the input x
+            return 2 * x
 
     with pytest.raises(ValueError, match=r"Bad\.forward: mark_dirty argument 0 \(array of shape \(3,\) and dtype "
                                          r"float32\) is not an input of forward"):
@@ -186,15 +176,11 @@ def test_mark_dirty_of_a_non_input_raises():
 
 
 def test_returning_a_dirty_input_unchanged_raises():
-    class Bad(vjpkit.Function):
+    class Bad(Identity):
         @staticmethod
         def forward(ctx, x):
             ctx.mark_dirty(x)
             return x
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
 
     with pytest.raises(ValueError, match=r"Bad\.forward marked an input dirty \(ctx\.mark_dirty\) and returned that "
                                          r"same input object unchanged"):
@@ -235,23 +221,21 @@ def test_missing_ctx_attribute_in_backward_raises_naming_it():
 # Differentiating what cannot be differentiated
 
 
-def test_grad_of_a_function_without_backward_raises():
-    class NoBackward(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
+class OnlyForward(vjpkit.Function):
+    """2 * x, with neither backward nor jvp."""
 
-    np.testing.assert_allclose(NoBackward.apply(X), 2 * X)  # plain evaluation is fine
-    with pytest.raises(TypeError, match=r"NoBackward cannot be differentiated: it defines no backward"):
-        jax.grad(lambda x: NoBackward.apply(x).sum())(X)
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+
+def test_grad_of_a_function_without_backward_raises():
+    np.testing.assert_allclose(OnlyForward.apply(X), 2 * X)  # plain evaluation is fine
+    with pytest.raises(TypeError, match=r"OnlyForward cannot be differentiated: it defines no backward"):
+        jax.grad(lambda x: OnlyForward.apply(x).sum())(X)
 
 
 def test_jvp_of_a_function_with_only_forward_raises():
-    class OnlyForward(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
-
     with pytest.raises(TypeError, match=r"OnlyForward cannot be differentiated"):
         jax.jvp(OnlyForward.apply, (X,), (jnp.ones(3),))
 
@@ -428,18 +412,13 @@ def test_cache_size_decorator_option_is_checked_too():
 
 def test_decorating_an_abc_subclass_makes_a_function():
     @vjpkit.function
-    class Double(abc.ABC):  # noqa: B024 - an ABC without abstract methods, as ported code has
-        @staticmethod
-        def forward(ctx, x):
-            return 2 * x
+    class PortedDouble(abc.ABC):  # noqa: B024 - an ABC without abstract methods, as ported code has
+        forward = staticmethod(Double.forward)  # 2 * x
+        backward = staticmethod(Double.backward)
 
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * g
-
-    assert isinstance(Double, abc.ABCMeta)
-    assert jnp.array_equal(Double(X), 2 * X)
-    assert jnp.array_equal(jax.grad(lambda x: Double.apply(x).sum())(X), jnp.full(3, 2.0))
+    assert isinstance(PortedDouble, abc.ABCMeta)
+    assert jnp.array_equal(PortedDouble(X), 2 * X)
+    assert jnp.array_equal(jax.grad(lambda x: PortedDouble.apply(x).sum())(X), jnp.full(3, 2.0))
 
 
 def test_apply_on_an_instance_works_with_a_deprecation_warning():

@@ -76,12 +76,18 @@ REVERSE = {"grad": grad_of, "jit(grad)": lambda f: jax.jit(grad_of(f))}
 # Ordered effects: run once each, in program order.
 
 
-@pytest.mark.parametrize("transform", FORWARD)
-def test_ordered_callback_in_jvp_runs_in_program_order(transform):
+def run_ordered(apply_transform):
+    """``apply_transform`` of the program with ordered callbacks, on (X, T): its result, and the events in order."""
     events = []
     cls, record = recording_sin(events, ordered=True)
-    got = FORWARD[transform](program(cls, record, ordered=True))(X, T)
+    got = apply_transform(program(cls, record, ordered=True))(X, T)
     jax.effects_barrier()
+    return got, events
+
+
+@pytest.mark.parametrize("transform", FORWARD)
+def test_ordered_callback_in_jvp_runs_in_program_order(transform):
+    got, events = run_ordered(FORWARD[transform])
     chex.assert_trees_all_close(got, jvp_of(reference)(X, T), rtol=1e-6)
     y = (jnp.sin(X) * 2.0).tolist()
     assert [label for label, _ in events] == ["before", "jvp", "after"]
@@ -91,10 +97,7 @@ def test_ordered_callback_in_jvp_runs_in_program_order(transform):
 
 @pytest.mark.parametrize("transform", REVERSE)
 def test_ordered_callback_in_backward_runs_in_program_order(transform):
-    events = []
-    cls, record = recording_sin(events, ordered=True)
-    got = REVERSE[transform](program(cls, record, ordered=True))(X, T)
-    jax.effects_barrier()
+    got, events = run_ordered(REVERSE[transform])
     chex.assert_trees_all_close(got, grad_of(reference)(X, T), rtol=1e-6)
     # Forward pass first, then backward, which receives d(2 sin x)/d(sin x) * T.
     assert [label for label, _ in events] == ["before", "after", "backward"]
@@ -232,17 +235,10 @@ class MeanSin(vjpkit.Function):
 
 
 class MeanSinJvpOnly(vjpkit.Function):
-    """The same with jvp only: reverse mode transposes the jvp, collective included."""
+    """The same with jvp only (MeanSin's forward and jvp): reverse mode transposes the jvp, collective included."""
 
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_forward(x)
-        return jax.lax.pmean(jnp.sin(x), "batch")
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return jax.lax.pmean(jnp.cos(x) * t, "batch")
+    forward = staticmethod(MeanSin.forward)
+    jvp = staticmethod(MeanSin.jvp)
 
 
 def mean_sin(x):

@@ -9,6 +9,7 @@ device, so `scripts/sharded_forward_mode_script.py` runs once in a subprocess wi
 
 import jax
 import pytest
+from script_cases import script_case_tests
 
 TRANSFORMS = [
     "jvp_of_shard_map",
@@ -26,17 +27,6 @@ pytestmark = pytest.mark.skipif(
     reason="this JAX lacks shard_map's varying types (check_vma, from JAX 0.6.1)",
 )
 
-
-@pytest.fixture(scope="module")
-def results(run_script):
-    return run_script("sharded_forward_mode_script.py", devices=4)
-
-
-def test_script_runs_every_case(results):
-    assert sorted(results) == sorted(CASES)
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_function_with_jvp_in_shard_map_matches_autodiff(case, results):
-    error = results[case]
-    assert error is None, f"{case}:\n{error}"
+results, test_script_runs_every_case, test_function_with_jvp_in_shard_map_matches_autodiff = script_case_tests(
+    "sharded_forward_mode_script.py", devices=4, cases=CASES
+)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import Mul, fresh
+from functions import Double, Identity, Mul, fresh
 
 import vjpkit
 
@@ -27,6 +27,16 @@ from numpy_solve import Solve  # noqa: E402
 
 def assert_close(got, want, rtol=1e-5, atol=1e-6):
     jax.tree_util.tree_map(lambda g, w: np.testing.assert_allclose(g, w, rtol=rtol, atol=atol), got, want)
+
+
+def host_identity(name, backward, **options):
+    """Identity on the host, named ``name``, with another ``backward``: the gradient a test gets wrong."""
+    return fresh(Identity, name, host=True, backward=staticmethod(backward), **options)
+
+
+def host_function(name, **methods):
+    """``@vjpkit.function(host=True)`` on a class named ``name`` with these (plain) functions as its staticmethods."""
+    return vjpkit.function(host=True)(type(name, (), {key: staticmethod(f) for key, f in methods.items()}))
 
 
 def raises_in_callback(message):
@@ -105,37 +115,14 @@ def test_jit_false_runs_too():
 
 
 def test_host_as_class_attribute_of_a_subclass():
-    class Square(vjpkit.Function):
+    class Square(functions.Square):  # x * x: NumPy runs it
         host = True
-
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return np.square(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 2 * x * g
 
     assert_close(jax.grad(lambda x: Square(x).sum())(X), 2 * X)
 
 
 def test_setup_context_style():
-    @vjpkit.function(host=True)
-    class Scale:
-        @staticmethod
-        def forward(x, k):
-            return x * k
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.k = inputs[1]
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * ctx.k, None
-
+    Scale = vjpkit.function(host=True)(functions.MulConstantAsWritten)
     assert_close(jax.grad(lambda x: Scale(x, 2.5).sum())(X), jnp.full(3, 2.5))
 
 
@@ -162,17 +149,18 @@ def test_jitted_grad_runs_forward_once_on_the_host():
     # forward's output, XLA drops the forward callback: one forward in all.
     calls = []
 
-    @vjpkit.function(host=True)
-    class Counted:
+    class Counted(Double):  # 2 * x, counting the runs of each rule
+        host = True
+
         @staticmethod
         def forward(ctx, x):
             calls.append("forward")
-            return 2 * x
+            return Double.forward(ctx, x)
 
         @staticmethod
         def backward(ctx, g):
             calls.append("backward")
-            return 2 * g
+            return Double.backward(ctx, g)
 
     grad = jax.jit(jax.grad(lambda x: Counted(x).sum()))
     grad(X).block_until_ready()
@@ -193,7 +181,7 @@ def test_saved_integer_intermediate_and_static_attribute_reach_backward():
         def forward(ctx, x):
             order = np.argsort(x)
             ctx.save_for_backward(order)
-            ctx.n = x.shape[0]
+            ctx.n = len(x)
             return x[order]
 
         @staticmethod
@@ -217,13 +205,13 @@ def test_saved_integer_intermediate_and_static_attribute_reach_backward():
 def test_needs_input_grad_in_forward_and_backward():
     seen = []
 
-    @vjpkit.function(host=True)
-    class Mul:
+    class Mul(functions.Mul):  # recording needs_input_grad
+        host = True
+
         @staticmethod
         def forward(ctx, a, b):
             seen.append(("forward", ctx.needs_input_grad))
-            ctx.save_for_backward(a, b)
-            return a * b
+            return functions.Mul.forward(ctx, a, b)
 
         @staticmethod
         def backward(ctx, g):
@@ -364,13 +352,13 @@ def test_unused_output_gets_zero_gradient_and_none_without_materialize():
         @vjpkit.function(host=True)
         class Two:
             @staticmethod
-            def output_shapes(x):
-                return x, x
-
-            @staticmethod
             def forward(ctx, x):
                 ctx.set_materialize_grads(materialize)
                 return 2 * x, 3 * x
+
+            @staticmethod
+            def output_shapes(x):
+                return x, x
 
             @staticmethod
             def backward(ctx, g1, g2):
@@ -415,28 +403,18 @@ def test_output_shape_inferred_from_first_array_input():
 
 
 def test_wrong_inferred_output_shape_raises_naming_class_and_output():
-    @vjpkit.function(host=True)
-    class Total:
-        @staticmethod
-        def forward(ctx, x):
-            return x.sum()
-
+    Total = host_function("Total", forward=lambda ctx, x: x.sum())
     with raises_in_callback("Total.forward returned output with shape () and dtype float32, "
                             "but the shape and dtype of input 'x'"):
         Total(X).block_until_ready()
 
 
 def test_wrong_declared_output_dtype_raises():
-    @vjpkit.function(host=True)
-    class Floor:
-        @staticmethod
-        def output_shapes(x):
-            return jax.ShapeDtypeStruct(x.shape, jnp.int32)
-
-        @staticmethod
-        def forward(ctx, x):
-            return np.floor(x)  # float, declared int: not the same kind
-
+    Floor = host_function(
+        "Floor",
+        output_shapes=lambda x: jax.ShapeDtypeStruct(x.shape, jnp.int32),
+        forward=lambda ctx, x: np.floor(x),  # float, declared int: not the same kind
+    )
     with raises_in_callback("Floor.forward returned output with shape (3,) and dtype float32, "
                             "but Floor.output_shapes gives shape (3,) and dtype int32"):
         Floor(X).block_until_ready()
@@ -475,62 +453,25 @@ def test_float64_output_where_float32_is_declared_is_cast():
 
 
 def test_scalar_float64_output_crosses_with_x64_on(x64):
-    @vjpkit.function(host=True)
-    class Total:
-        @staticmethod
-        def output_shapes(x):
-            return jax.ShapeDtypeStruct((), x.dtype)
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.sum()  # a NumPy float64 scalar: 0-d, as declared
-
-        @staticmethod
-        def backward(ctx, g):
-            return np.full(3, g)
-
     x = jnp.arange(3.0, dtype=jnp.float64)
-    assert Total(x) == 3.0 and Total(x).shape == ()
-    assert jax.grad(Total)(x).tolist() == [1.0, 1.0, 1.0]
+    assert SumOfCubes(x) == 9.0 and SumOfCubes(x).shape == ()  # forward's np.sum: a NumPy float64 scalar
+    assert jax.grad(SumOfCubes)(x).tolist() == [0.0, 3.0, 12.0]
 
 
 def test_wrong_output_count_raises_naming_class():
-    @vjpkit.function(host=True)
-    class Pair:
-        @staticmethod
-        def output_shapes(x):
-            return x
-
-        @staticmethod
-        def forward(ctx, x):
-            return x, x
-
+    Pair = host_function("Pair", output_shapes=lambda x: x, forward=lambda ctx, x: (x, x))
     with raises_in_callback("Pair.forward returned 2 outputs"):
         Pair(X).block_until_ready()
 
 
 def test_output_shapes_returning_a_non_shape_raises_while_tracing():
-    @vjpkit.function(host=True)
-    class Bad:
-        @staticmethod
-        def output_shapes(x):
-            return x, (3,)
-
-        @staticmethod
-        def forward(ctx, x):
-            return x, x
-
+    Bad = host_function("Bad", output_shapes=lambda x: (x, (3,)), forward=lambda ctx, x: (x, x))
     with pytest.raises(TypeError, match=re.escape("Bad.output_shapes returned 3 for output[1][0]")):
         Bad(X)
 
 
 def test_no_array_input_without_output_shapes_raises():
-    @vjpkit.function(host=True)
-    class Constant:
-        @staticmethod
-        def forward(ctx, n):
-            return np.zeros(n)
-
+    Constant = host_function("Constant", forward=lambda ctx, n: np.zeros(n))
     with pytest.raises(TypeError, match="Constant is a host Function with no array input"):
         Constant(3)
 
@@ -539,31 +480,13 @@ def test_no_array_input_without_output_shapes_raises():
 
 
 def test_wrong_gradient_count_raises_naming_class():
-    @vjpkit.function(host=True)
-    class TooMany:
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, g
-
+    TooMany = host_identity("TooMany", lambda ctx, g: (g, g))
     with raises_in_callback("TooMany.backward returned 2 gradients, expected 1"):
         jax.grad(lambda x: TooMany(x).sum())(X).block_until_ready()
 
 
 def test_wrong_gradient_shape_raises_naming_class_and_input():
-    @vjpkit.function(host=True)
-    class BadShape:
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, g):
-            return np.ones(5, np.float32)
-
+    BadShape = host_identity("BadShape", lambda ctx, g: np.ones(5, np.float32))
     with raises_in_callback("BadShape.backward returned a gradient of shape (5,) for input 0 ('x')"):
         jax.grad(lambda x: BadShape(x).sum())(X).block_until_ready()
 
@@ -594,16 +517,7 @@ def test_forward_mode_raises_naming_the_class():
 
 def test_jvp_on_a_host_function_raises_at_class_creation():
     with pytest.raises(TypeError, match="HostJvp is a host Function .* and defines jvp"):
-
-        @vjpkit.function(host=True)
-        class HostJvp:
-            @staticmethod
-            def forward(ctx, x):
-                return x
-
-            @staticmethod
-            def jvp(ctx, t):
-                return t
+        host_function("HostJvp", forward=lambda ctx, x: x, jvp=lambda ctx, t: t)
 
 
 # -- vmap ----------------------------------------------------------------------------
@@ -612,19 +526,11 @@ def test_jvp_on_a_host_function_raises_at_class_creation():
 def test_vmap_is_sequential_by_default():
     shapes = []
 
-    @vjpkit.function(host=True)
-    class Rows:
+    class Rows(Cube):  # recording the shape each forward gets
         @staticmethod
         def forward(ctx, x):
             shapes.append(x.shape)
-            ctx.save_for_backward(x)
-            return x**3
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            shapes.append(("backward", x.shape))
-            return 3 * x**2 * g
+            return Cube.forward(ctx, x)
 
     xs = jnp.stack([X, 2 * X])
     assert_close(jax.vmap(Rows)(xs), xs**3)
@@ -635,18 +541,13 @@ def test_vmap_is_sequential_by_default():
 def test_vmap_expand_dims_calls_numpy_once_with_the_batch():
     shapes = []
 
-    @vjpkit.function(host=True, vmap_method="expand_dims")
-    class Scaled:
+    class Scaled(Mul):  # recording the shapes each forward gets
+        host, vmap_method = True, "expand_dims"
+
         @staticmethod
         def forward(ctx, x, w):
             shapes.append((x.shape, w.shape))
-            ctx.save_for_backward(x, w)
-            return x * w
-
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g * w, g * x
+            return Mul.forward(ctx, x, w)
 
     xs = jnp.stack([X, 2 * X, 3 * X])
     w = jnp.array([1.0, 2.0, 3.0])
@@ -679,16 +580,7 @@ def test_vmap_expand_dims_broadcast_gradient_of_an_unbatched_input_is_summed_per
 
 
 def test_vmap_expand_dims_wrong_per_example_gradient_shape_is_reported_per_example():
-    @vjpkit.function(host=True, vmap_method="expand_dims")
-    class Transposed:
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, g):
-            return np.swapaxes(g, -1, -2)
-
+    Transposed = host_identity("Transposed", lambda ctx, g: np.swapaxes(g, -1, -2), vmap_method="expand_dims")
     xs = jnp.ones((4, 2, 3))
     with raises_in_callback("Transposed.backward returned a gradient of shape (3, 2) for input 0 ('x'): "
                             "expected shape (2, 3)"):
@@ -696,16 +588,8 @@ def test_vmap_expand_dims_wrong_per_example_gradient_shape_is_reported_per_examp
 
 
 def test_vmap_expand_dims_gradient_without_the_batch_axes_raises():
-    @vjpkit.function(host=True, vmap_method="expand_dims")
-    class FirstOnly:
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, g):
-            return np.concatenate([g, g])  # leading axis 2: neither the batch (4) nor 1
-
+    # leading axis 2: neither the batch (4) nor 1
+    FirstOnly = host_identity("FirstOnly", lambda ctx, g: np.concatenate([g, g]), vmap_method="expand_dims")
     xs = jnp.ones((4, 3))
     with raises_in_callback("FirstOnly.backward returned a gradient whose leading (batch) axes do not match "
                             "the batch (4,) under jax.vmap with vmap_method='expand_dims'"):
@@ -724,7 +608,7 @@ def test_vmap_staticmethod_in_pytorch_style_batches_forward():
         @staticmethod
         def forward(ctx, x, w):
             ctx.save_for_backward(x, w)
-            return x @ w
+            return np.dot(x, w)  # one example: x (3,), w (3, 2)
 
         @staticmethod
         def backward(ctx, g):
@@ -862,20 +746,16 @@ def test_64_bit_arrays_cross_exactly_where_the_callback_thread_has_x64_off():
 def test_host_backward_ctx_holds_only_the_users_attributes():
     seen = []
 
-    @vjpkit.function(host=True)
-    class Scale:
-        @staticmethod
-        def forward(ctx, x):
-            ctx.factor = 2.0
-            return 2.0 * x
+    class Scale(functions.Scale):  # forward sets ctx.c
+        host = True
 
         @staticmethod
         def backward(ctx, g):
             seen.append(sorted(vars(ctx)))
-            return ctx.factor * g
+            return functions.Scale.backward(ctx, g)
 
     assert_close(jax.grad(lambda x: Scale(x).sum())(X), jnp.full(3, 2.0))
-    assert seen == [["factor"]]
+    assert seen == [["c"]]
 
 
 # -- 0-d arrays ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ CPU device, so `scripts/sharded_script.py` runs once in a subprocess with
 one of its cases.
 """
 
-import pytest
+from script_cases import script_case_tests
 
 CASES = [
     "sharded_jit_forward",  # batch split over 8 devices, params replicated
@@ -22,17 +22,6 @@ CASES = [
     "shard_map_invariant_gradient_for_sharded_input",
 ]
 
-
-@pytest.fixture(scope="module")
-def results(run_script):
-    return run_script("sharded_script.py", devices=8)
-
-
-def test_script_runs_every_case(results):
-    assert sorted(results) == sorted(CASES)
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_sharded_result_matches_single_device(case, results):
-    error = results[case]
-    assert error is None, f"{case}:\n{error}"
+results, test_script_runs_every_case, test_sharded_result_matches_single_device = script_case_tests(
+    "sharded_script.py", devices=8, cases=CASES
+)

@@ -7,7 +7,7 @@ checks one of its cases. A case needing a feature that this JAX lacks
 (Explicit axes came after JAX 0.4.38) is skipped, saying so.
 """
 
-import pytest
+from script_cases import script_case_tests
 
 CASES = [
     # host=True Functions inside shard_map equal autodiff (the callback's
@@ -29,19 +29,6 @@ CASES = [
     "explicit_training_equals_auto",  # the digits model of examples/train_mlp.py
 ]
 
-
-@pytest.fixture(scope="module")
-def results(run_script):
-    return run_script("sharding_types_script.py", devices=4)
-
-
-def test_script_runs_every_case(results):
-    assert sorted(results) == sorted(CASES)
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_sharding_types_case(case, results):
-    result = results[case]
-    if isinstance(result, dict):
-        pytest.skip(result["skip"])
-    assert result is None, f"{case}:\n{result}"
+results, test_script_runs_every_case, test_sharding_types_case = script_case_tests(
+    "sharding_types_script.py", devices=4, cases=CASES
+)

@@ -146,22 +146,14 @@ def test_assert_matches_torch_without_torch_or_pytest_says_torch_is_needed():
 
 @pytest.fixture
 def torch_exp():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
+    from torch_functions import TorchExp
 
-    class TExp(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.exp()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
-    return TExp
+    return TorchExp
 
 
-POINTS_TO_FROM_TORCH = (r"TExp is a torch\.autograd\.Function, which takes torch tensors, not JAX arrays\. "
-                        r"Pass vjpkit\.from_torch\(TExp\)\.apply to run the original inside JAX, or its port")
+POINTS_TO_FROM_TORCH = (r"TorchExp is a torch\.autograd\.Function, which takes torch tensors, not JAX arrays\. "
+                        r"Pass vjpkit\.from_torch\(TorchExp\)\.apply to run the original inside JAX, or its port")
 
 
 @pytest.mark.parametrize("as_apply", [True, False], ids=["apply", "class"])

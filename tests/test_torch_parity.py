@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import Exp, Identity, Square, TanhSavingAStoppedSlope  # Exp: the tutorial's Exp, ported
+from functions import (  # Exp: the tutorial's Exp, ported
+    Exp,
+    Identity,
+    MulConstantAsWritten,  # a plain class: the tutorial's code, no edit
+    Square,
+    TanhSavingAStoppedSlope,
+)
 from gc_functions import LinearFunction  # the tutorial's, ported
 
 import vjpkit
@@ -34,6 +40,7 @@ AWAY_FROM_ZERO = np.array([-2.0, -0.5, 0.25, 1.5, 3.0])  # relu's kink is not sa
 # ---------------------------------------------------------------------------
 # The PyTorch tutorial Functions, as the tutorial writes them.
 
+
 if torch is not None:
 
     class TorchReLU(torch.autograd.Function):
@@ -49,21 +56,9 @@ if torch is not None:
             grad_input[input < 0] = 0
             return grad_input
 
-    from torch_functions import TorchExp
+    from torch_functions import TorchAddOneInPlace, TorchExp
 
-    class TorchMulConstant(torch.autograd.Function):
-        @staticmethod
-        def forward(tensor, constant):
-            return tensor * constant
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            _, constant = inputs
-            ctx.constant = constant
-
-        @staticmethod
-        def backward(ctx, grad_output):
-            return grad_output * ctx.constant, None
+    TorchMulConstant = type("TorchMulConstant", (torch.autograd.Function,), dict(vars(MulConstantAsWritten)))
 
     class TorchLinearFunction(torch.autograd.Function):
         @staticmethod
@@ -107,19 +102,7 @@ class ReLU(vjpkit.Function):
         return jnp.where(input < 0, 0.0, grad_output)
 
 
-class MulConstant(vjpkit.Function):
-    @staticmethod
-    def forward(tensor, constant):
-        return tensor * constant
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, constant = inputs
-        ctx.constant = constant
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output * ctx.constant, None
+MulConstant = vjpkit.function(MulConstantAsWritten)  # the port: no edit
 
 
 # ---------------------------------------------------------------------------
@@ -339,19 +322,6 @@ def test_differentiate_rejects_an_input_that_is_not_a_floating_array():
 # ---------------------------------------------------------------------------
 # In-place originals (mark_dirty) need no clone wrapper.
 
-if torch is not None:
-
-    class TorchAddOneInPlace(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.mark_dirty(x)
-            return x.add_(1)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
-
 class AddOneInPlace(vjpkit.Function):
     @staticmethod
     def forward(ctx, x):
@@ -440,7 +410,7 @@ if torch is not None:
     class TorchTanhSavingOutput(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            y = x.tanh()
+            y = torch.tanh(x)
             ctx.save_for_backward(y)
             return y
 
@@ -474,26 +444,28 @@ class SinhSavingIntermediates(vjpkit.Function):
     @staticmethod
     def backward(ctx, g):
         expx, expnegx = ctx.saved_tensors
-        return g * (expx + expnegx) / 2
+        cosh = (expx + expnegx) / 2  # halving is exact: the same numbers as the original's order
+        return g * cosh
+
+
+def second_order_mismatch(torch_function, function, inputs):
+    """The message of assert_matches_torch's failure to second order."""
+    with pytest.raises(AssertionError) as info:
+        assert_matches_torch(torch_function, function, inputs, check_second_order=True)
+    return str(info.value)
 
 
 # TanhSavingAStoppedSlope saves an intermediate computed with code that has no derivative; the original
 # saves its output.
 @needs_torch
 def test_second_order_sees_a_saved_intermediates_wrong_derivative():
-    with pytest.raises(AssertionError) as info:
-        assert_matches_torch(TorchTanhSavingOutput, TanhSavingAStoppedSlope, (AWAY_FROM_ZERO,),
-                             check_second_order=True)
-    message = str(info.value)
+    message = second_order_mismatch(TorchTanhSavingOutput, TanhSavingAStoppedSlope, (AWAY_FROM_ZERO,))
     assert "the second derivative with respect to input 0 ('x'): 5 of 5 elements differ" in message
 
 
 @needs_torch
 def test_second_order_verdict_names_vjpkit_when_finite_differences_side_with_pytorch():
-    with pytest.raises(AssertionError) as info:
-        assert_matches_torch(TorchTanhSavingOutput, TanhSavingAStoppedSlope, (AWAY_FROM_ZERO,),
-                             check_second_order=True)
-    message = str(info.value)
+    message = second_order_mismatch(TorchTanhSavingOutput, TanhSavingAStoppedSlope, (AWAY_FROM_ZERO,))
     assert ("verdict: for the second derivatives with respect to the inputs, finite differences of the first "
             "derivative (central, eps=1e-06, atol=1e-05, rtol=0.001) agree with PyTorch, not with vjpkit: "
             "the port's second derivative is the wrong one.") in message
@@ -502,9 +474,7 @@ def test_second_order_verdict_names_vjpkit_when_finite_differences_side_with_pyt
 
 @needs_torch
 def test_second_order_verdict_names_pytorch_when_its_backward_uses_a_saved_intermediate():
-    with pytest.raises(AssertionError) as info:
-        assert_matches_torch(TorchSinhSavingIntermediates, SinhSavingIntermediates, (X,), check_second_order=True)
-    message = str(info.value)
+    message = second_order_mismatch(TorchSinhSavingIntermediates, SinhSavingIntermediates, (X,))
     assert "the second derivative with respect to input 0 ('x'): 12 of 12 elements differ" in message
     assert "agree with vjpkit, not with PyTorch: PyTorch's double backward is the wrong one" in message
     assert "intermediate saved in forward" in message and "pytorch#58509" in message

@@ -10,28 +10,14 @@ import chex
 import jax
 import jax.numpy as jnp
 from functions import LinearFunction as Linear
-from functions import Tanh  # saves its output for backward
+from functions import (
+    SinCos,  # two outputs; backward uses both saved intermediates
+    Tanh,  # saves its output for backward
+)
 from jax import export  # a submodule JAX before 0.5 does not import by itself
-
-import vjpkit
 
 X = jnp.array([0.5, -1.0, 2.0])
 BATCH = jnp.array([[0.5, -1.0, 2.0], [0.1, 0.2, -0.3], [1.5, -0.5, 0.0], [2.0, 1.0, -2.0]])
-
-
-class SinCos(vjpkit.Function):
-    """Two outputs; backward uses both saved intermediates."""
-
-    @staticmethod
-    def forward(ctx, x):
-        s, c = jnp.sin(x), jnp.cos(x)
-        ctx.save_for_backward(s, c)
-        return s, c
-
-    @staticmethod
-    def backward(ctx, gs, gc):
-        s, c = ctx.saved_tensors
-        return gs * c - gc * s
 
 
 def loss(x):

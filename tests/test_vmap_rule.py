@@ -121,42 +121,35 @@ def test_vmap_rule_with_forward_taking_ctx_raises_naming_the_class():
                 return x, in_dims[0]
 
 
+class GeneratedSquare(vjpkit.Function):
+    """x * x, setup_context style, whose vmap rule is generated: jax.vmap batches forward as written."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2.0 * x * g
+
+
 def test_vmap_rule_and_generate_vmap_rule_together_raise():
     with pytest.raises(TypeError, match=r"Both has both generate_vmap_rule = True and a vmap staticmethod"):
 
-        class Both(vjpkit.Function):
-            generate_vmap_rule = True
-
-            @staticmethod
-            def forward(x):
-                return x
-
-            @staticmethod
-            def setup_context(ctx, inputs, output):
-                pass
-
+        class Both(GeneratedSquare):
             @staticmethod
             def vmap(info, in_dims, x):
                 return x, in_dims[0]
 
 
 def test_generate_vmap_rule_batches_forward_as_written():
-    class Square(vjpkit.Function):
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(x):
-            return x * x
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 2.0 * x * g
-
     x = jnp.arange(3.0)
-    np.testing.assert_allclose(jax.vmap(Square.apply)(x), [0.0, 1.0, 4.0])
-    np.testing.assert_allclose(jax.vmap(jax.grad(Square.apply))(x), [0.0, 2.0, 4.0])
+    np.testing.assert_allclose(jax.vmap(GeneratedSquare.apply)(x), [0.0, 1.0, 4.0])
+    np.testing.assert_allclose(jax.vmap(jax.grad(GeneratedSquare.apply))(x), [0.0, 2.0, 4.0])

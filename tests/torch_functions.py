@@ -17,3 +17,16 @@ class TorchExp(torch.autograd.Function):
     def backward(ctx, grad_output):
         (result,) = ctx.saved_tensors
         return grad_output * result
+
+
+class TorchAddOneInPlace(torch.autograd.Function):
+    """x + 1 written into x (``mark_dirty``), as PyTorch code does in place."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.add_(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
