@@ -249,8 +249,13 @@ class SinCosWithJvp(SinCos):
 class AddBias(vjpkit.Function):
     """x + b, backward returning g for both: b's gradient has the broadcast shape, summed down by vjpkit."""
 
-    forward = staticmethod(lambda ctx, x, b: x + b)
-    backward = staticmethod(lambda ctx, g: (g, g))
+    @staticmethod
+    def forward(ctx, x, b):
+        return x + b
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g
 
 
 class ZerosNoRules(vjpkit.Function):
@@ -266,8 +271,8 @@ class Gather(vjpkit.Function):
 
     @staticmethod
     def forward(ctx, x, idx):
-        ctx.n = x.shape[0]
         ctx.save_for_backward(idx)
+        ctx.n = x.shape[0]
         return x[idx]
 
     @staticmethod
@@ -279,8 +284,13 @@ class Gather(vjpkit.Function):
 class Identity(vjpkit.Function):
     """Returns its input; the gradient passes through."""
 
-    forward = staticmethod(lambda ctx, x: x)
-    backward = staticmethod(lambda ctx, g: g)
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
 
 
 class Scale(vjpkit.Function):

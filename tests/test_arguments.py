@@ -330,9 +330,8 @@ def test_pytree_output_gets_one_gradient_with_its_structure():
     class Split(vjpkit.Function):
         @staticmethod
         def forward(ctx, x):
-            out = {"sin": jnp.sin(x), "parts": [x * 2, x**2]}
             ctx.save_for_backward(x)
-            return out
+            return {"sin": jnp.sin(x), "parts": [x * 2, x**2]}
 
         @staticmethod
         def backward(ctx, g):

@@ -387,7 +387,7 @@ def test_gradcheck_judges_an_unported_original():
         @staticmethod
         def forward(ctx, x):
             ctx.save_for_backward(x)
-            return x.square()
+            return x ** 2
 
         @staticmethod
         def backward(ctx, g):

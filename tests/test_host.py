@@ -181,7 +181,7 @@ def test_saved_integer_intermediate_and_static_attribute_reach_backward():
         def forward(ctx, x):
             order = np.argsort(x)
             ctx.save_for_backward(order)
-            ctx.n = len(x)
+            ctx.n = x.shape[0]
             return x[order]
 
         @staticmethod
@@ -352,13 +352,13 @@ def test_unused_output_gets_zero_gradient_and_none_without_materialize():
         @vjpkit.function(host=True)
         class Two:
             @staticmethod
+            def output_shapes(x):
+                return x, x
+
+            @staticmethod
             def forward(ctx, x):
                 ctx.set_materialize_grads(materialize)
                 return 2 * x, 3 * x
-
-            @staticmethod
-            def output_shapes(x):
-                return x, x
 
             @staticmethod
             def backward(ctx, g1, g2):
@@ -608,7 +608,7 @@ def test_vmap_staticmethod_in_pytorch_style_batches_forward():
         @staticmethod
         def forward(ctx, x, w):
             ctx.save_for_backward(x, w)
-            return np.dot(x, w)  # one example: x (3,), w (3, 2)
+            return x @ w
 
         @staticmethod
         def backward(ctx, g):

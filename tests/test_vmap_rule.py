@@ -132,7 +132,7 @@ class GeneratedSquare(vjpkit.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(inputs[0])
 
     @staticmethod
     def backward(ctx, g):
