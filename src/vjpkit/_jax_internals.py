@@ -266,13 +266,6 @@ LINEARIZE_IS_TOLD_FROM_VJP = "is_vjp" in _LinearizeTrace.__init__.__code__.co_va
 JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS = bool(_direct_linearize.value)
 
 
-def _frames_from(frame: Any) -> Any:
-    """``frame``, then each of its callers."""
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
-
-
 def _is_vjp(frame: Any) -> bool:
     """Whether the ``LinearizeTrace`` running in ``frame`` linearizes for reverse mode (not ``jax.linearize``)."""
     return getattr(frame.f_locals.get("self"), "is_vjp", True)
@@ -304,18 +297,20 @@ def differentiation(caller: Literal["custom_jvp rule", "apply"]) -> str | None:
             return None
         return "vjp" if getattr(trace, "is_vjp", True) else "linearize"
     # A primitive bound in a custom_jvp rule.
-    callers = _frames_from(sys._getframe(1))
+    frame: Any = sys._getframe(1)  # the callers, walked by plain loops (this runs on every such bind)
     if _direct_linearize.value:  # reverse mode and jax.linearize run the rule from a LinearizeTrace method
-        for frame in callers:
+        while frame is not None:
             if frame.f_code is _LINEARIZE_CUSTOM_JVP or frame.f_code is _LINEARIZE_PRIMITIVE:
                 return "vjp" if _is_vjp(frame) else "linearize"
+            frame = frame.f_back
         return None
     # Before JAX 0.7 reverse mode runs it from a JVPTrace over partial evaluation.
     if isinstance(_trace_ctx.trace, _JaxprTrace):
         return "vjp"
-    for frame in callers:
+    while frame is not None:
         if (frame.f_code is _JVP_CUSTOM_JVP or frame.f_code is _JVP_PRIMITIVE) and _over_partial_eval(frame):
             return "vjp"
+        frame = frame.f_back
     return None
 
 
@@ -643,7 +638,10 @@ def vmap_batches_here() -> bool:
     """
     if is_batching():
         return True
-    return is_staging() and any(frame.f_code is _BATCH_CUSTOM_JVP for frame in _frames_from(sys._getframe(1)))
+    frame = sys._getframe(1) if is_staging() else None
+    while frame is not None and frame.f_code is not _BATCH_CUSTOM_JVP:
+        frame = frame.f_back
+    return frame is not None
 
 
 # The eager trace of ``jax.experimental.shard_map`` (a shard_map called outside jit) runs a custom_jvp's function
