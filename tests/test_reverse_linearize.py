@@ -93,7 +93,7 @@ def test_a_later_different_call_is_not_answered_by_an_earlier_linearization():
     for x, w in ((X, W), (wide_x, wide_w)):
         for argnums in ((0,), (1,), (0, 1)):
             got = jax.jit(jax.grad(loss, argnums))(x, w)
-            chex.assert_trees_all_close(got, jax.grad(reference, argnums)(x, w), rtol=1e-6)
+            chex.assert_trees_all_close(got, jax.grad(reference, argnums)(x, w), rtol=1e-5)
 
 
 @pytest.mark.parametrize("differentiate", ["jacrev of jacrev", "hessian"])

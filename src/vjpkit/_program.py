@@ -4,8 +4,9 @@
 runs the user's forward, and its rule (``Program.rule``) runs forward
 knowing which inputs are differentiated, ties the outputs (``_tie.py``),
 and returns the output tangent as a ``linear_call`` (``_linear_call.py``)
-whose two rules are the Function's own derivative (``OwnDerivative``). The
-user's methods themselves run in ``_runner.py``.
+whose two rules are the Function's own derivative (``OwnDerivative``).
+Where reverse mode linearizes a call directly, ``apply`` makes the same
+split itself (``Program.linearize``). The user's methods run in ``_runner.py``.
 
 Every Function becomes a ``jax.custom_jvp`` (symbolic zeros, so
 ``needs_input_grad`` is real) whose rule runs the user's forward and returns
