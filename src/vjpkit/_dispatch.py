@@ -411,6 +411,10 @@ def _differentiable(program: Program, arrays: tuple) -> Any:
     leaves = tuple(map(as_jax_leaf, arrays))
     if _jax_internals.reaches_eager_shard_map_refusing_symbolic_zeros():
         return program.runner.primal(*leaves)
+    trace = _jax_internals.reverse_linearize_trace()
+    if trace is not None and not program.spec.closes_over_tracer:
+        # Reverse mode's linearization, made directly (JAX's would partially evaluate the rule).
+        return program.linearize(trace, leaves)
     return program.differentiable(*leaves)
 
 

@@ -30,6 +30,7 @@ partial_eval.JaxprTrace                                0.4.38 to 0.6   none (and
 partial_eval.JaxprTrace, JaxprTracer (a rule run by    0.7 on          none
   linearize_from_jvp)
 ad.JVPTrace, ad.LinearizeTrace                         all             none
+ad.LinearizeTracer (vjpkit's reverse-mode linearize)   all             none
 config.use_direct_linearize                            all             none (read as on where absent)
 config.config_ext                                      all             none (``jax.config`` defines no states)
 config.trace_context (its code is replaced)            0.4.38 to 0.7   none
@@ -209,17 +210,12 @@ def is_staging() -> bool:
 def on_primal_trace(primals: Sequence[Any]) -> Any:
     """A context in which a ``custom_jvp`` rule computes on the trace that owns its ``primals``.
 
-    Why: direct linearization (reverse mode and ``jax.linearize``, JAX 0.7
-    on) runs a ``custom_jvp`` rule under a partial-evaluation trace
-    (``ad.linearize_from_jvp``), which takes every operation of the user's
-    forward through its own rules although all of forward's inputs are
-    known: each inner ``jax.jit`` (``x @ w`` is one) is partially evaluated
-    and its jaxpr inlined, which made tracing a 200-layer model 1.3 times
-    slower than with ``jax.custom_vjp``, whose forward JAX runs on that
-    trace's parent. Forward touches only primals, so it runs there too; its
-    outputs are known values to the partial-evaluation trace, as before.
-    Before JAX 0.7 (or with ``jax_use_direct_linearize`` off) the primals are
-    the partial-evaluation trace's own tracers, and nothing changes.
+    Why: direct linearization (JAX 0.7 on) runs a rule JAX meets
+    (``jax.linearize``; a jaxpr's call) under partial evaluation
+    (``ad.linearize_from_jvp``), which would take every operation of forward,
+    all known, through its rules (each inner ``jax.jit`` partially evaluated).
+    Forward touches only primals, so it runs on their trace, as a
+    ``custom_vjp``'s does. Before JAX 0.7 the primals are that trace's own.
     """
     trace = _trace_ctx.trace
     if type(trace) is _JaxprTrace and not any(isinstance(x, _JaxprTracer) for x in primals):
@@ -266,13 +262,6 @@ LINEARIZE_IS_TOLD_FROM_VJP = "is_vjp" in _LinearizeTrace.__init__.__code__.co_va
 JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS = bool(_direct_linearize.value)
 
 
-def _frames_from(frame: Any) -> Any:
-    """``frame``, then each of its callers."""
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
-
-
 def _is_vjp(frame: Any) -> bool:
     """Whether the ``LinearizeTrace`` running in ``frame`` linearizes for reverse mode (not ``jax.linearize``)."""
     return getattr(frame.f_locals.get("self"), "is_vjp", True)
@@ -300,23 +289,51 @@ def differentiation(caller: Literal["custom_jvp rule", "apply"]) -> str | None:
     """
     if caller == "apply":
         trace = _enclosing_trace(_LinearizeTrace)
-        if trace is None:
-            return None
-        return "vjp" if getattr(trace, "is_vjp", True) else "linearize"
+        return None if trace is None else "vjp" if getattr(trace, "is_vjp", True) else "linearize"
     # A primitive bound in a custom_jvp rule.
-    callers = _frames_from(sys._getframe(1))
+    frame: Any = sys._getframe(1)  # the callers, walked by plain loops (this runs on every such bind)
     if _direct_linearize.value:  # reverse mode and jax.linearize run the rule from a LinearizeTrace method
-        for frame in callers:
+        while frame is not None:
             if frame.f_code is _LINEARIZE_CUSTOM_JVP or frame.f_code is _LINEARIZE_PRIMITIVE:
                 return "vjp" if _is_vjp(frame) else "linearize"
+            frame = frame.f_back
         return None
     # Before JAX 0.7 reverse mode runs it from a JVPTrace over partial evaluation.
     if isinstance(_trace_ctx.trace, _JaxprTrace):
         return "vjp"
-    for frame in callers:
+    while frame is not None:
         if (frame.f_code is _JVP_CUSTOM_JVP or frame.f_code is _JVP_PRIMITIVE) and _over_partial_eval(frame):
             return "vjp"
+        frame = frame.f_back
     return None
+
+
+# ---------------------------------------------------------------------------
+# interpreters.ad: reverse mode's linearization of a Function, made by vjpkit
+# (``Program.linearize``), as JAX makes a ``custom_vjp``'s: JAX's for a
+# custom_jvp partially evaluates the rule and evaluates its jaxpr again.
+# Every supported JAX's ``LinearizeTrace`` has ``parent_trace``,
+# ``tangent_trace`` and ``to_primal_tangent_pair``.
+
+_LinearizeTracer = _require(_ad, "LinearizeTracer", "jax._src.interpreters.ad")
+on_trace = _set_current_trace  # a context in which the trace passed is the current one
+
+
+def reverse_linearize_trace() -> Any:
+    """The current trace if it is a ``LinearizeTrace`` of reverse mode (``is_vjp``: JAX 0.9 on; before, always)."""
+    trace = _trace_ctx.trace
+    return trace if type(trace) is _LinearizeTrace and getattr(trace, "is_vjp", True) else None
+
+
+def linearize_inputs(trace: Any, values: Sequence[Any]) -> tuple[list, list]:
+    """The primal and the tangent (None: a known zero) of each of ``values`` under ``trace``."""
+    pairs = [trace.to_primal_tangent_pair(value) for value in values]
+    return [p for p, _ in pairs], [None if type(t) is ad.Zero else t for _, t in pairs]
+
+
+def linearized_output(trace: Any, primal: Any, tangent: Any) -> Any:
+    """An output of ``trace`` from its primal and its tangent (None: zero, and the output is the primal)."""
+    return primal if tangent is None else _LinearizeTracer(trace, primal, tangent)
 
 
 # ---------------------------------------------------------------------------
@@ -643,7 +660,10 @@ def vmap_batches_here() -> bool:
     """
     if is_batching():
         return True
-    return is_staging() and any(frame.f_code is _BATCH_CUSTOM_JVP for frame in _frames_from(sys._getframe(1)))
+    frame = sys._getframe(1) if is_staging() else None
+    while frame is not None and frame.f_code is not _BATCH_CUSTOM_JVP:
+        frame = frame.f_back
+    return frame is not None
 
 
 # The eager trace of ``jax.experimental.shard_map`` (a shard_map called outside jit) runs a custom_jvp's function

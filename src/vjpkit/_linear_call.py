@@ -40,6 +40,10 @@ class _LinearCallPrimitive(Primitive):
         params["recorded"] = _jax_internals.differentiation("custom_jvp rule") == "vjp"
         return super().bind(*args, **params)
 
+    def bind_recorded(self, *args: Any, **params: Any) -> Any:
+        """A bind its caller knows reverse mode records (``Program.linearize``): no callers to look at."""
+        return super().bind(*args, **params, recorded=True)
+
 
 _linear_call_p = _LinearCallPrimitive("vjpkit_linear_call")
 _linear_call_p.multiple_results = True
@@ -54,6 +58,7 @@ def linear_call(
     out_avals: Sequence[Any],
     name: str,
     primals: Sequence[Any] = (),
+    recorded: bool = False,
 ) -> list:
     """``apply(residuals, linear_inputs)``, linear in ``linear_inputs``.
 
@@ -66,18 +71,22 @@ def linear_call(
     traced into a jaxpr), the primal of each linear input, then of each
     output; empty elsewhere. Only their batch axes are read: an output
     whose primal is not batched stays unbatched (see ``_linear_call_batch``).
+    ``recorded``: the caller knows that reverse mode records the call to
+    transpose it (otherwise the callers say, see ``_LinearCallPrimitive``).
     """
     witnesses = tuple(map(_batch_witness, primals))
     return _bind(residuals, witnesses, linear_inputs, apply=apply, transpose=transpose, out_avals=out_avals,
-                 name=name)
+                 name=name, recorded=recorded)
 
 
 def _bind(residuals: Sequence[Any], witnesses: tuple, linear_inputs: Sequence[Any], *, apply: Callable,
-          transpose: Callable | None, out_avals: Sequence[Any], name: str, traced: _TracedRule | None = None) -> list:
+          transpose: Callable | None, out_avals: Sequence[Any], name: str, traced: _TracedRule | None = None,
+          recorded: bool = False) -> list:
     num_res, out_avals = len(residuals), tuple(out_avals)
     if traced is None:
         traced = _TracedRule(apply, num_res, len(witnesses), out_avals)
-    return _linear_call_p.bind(
+    bind = _linear_call_p.bind_recorded if recorded else _linear_call_p.bind
+    return bind(
         *residuals,
         *witnesses,
         *linear_inputs,

@@ -4,8 +4,9 @@
 runs the user's forward, and its rule (``Program.rule``) runs forward
 knowing which inputs are differentiated, ties the outputs (``_tie.py``),
 and returns the output tangent as a ``linear_call`` (``_linear_call.py``)
-whose two rules are the Function's own derivative (``OwnDerivative``). The
-user's methods themselves run in ``_runner.py``.
+whose two rules are the Function's own derivative (``OwnDerivative``).
+Where reverse mode linearizes a call directly, ``apply`` makes the same
+split itself (``Program.linearize``). The user's methods run in ``_runner.py``.
 
 Every Function becomes a ``jax.custom_jvp`` (symbolic zeros, so
 ``needs_input_grad`` is real) whose rule runs the user's forward and returns
@@ -105,35 +106,69 @@ class Program:
 
     def rule(self, primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
         """forward's outputs, and their tangent through ``linear_call`` (``tangents``: ``SymbolicZero`` where none)."""
-        spec, runner = self.spec, self.runner
-        if spec.backward is None and spec.jvp is None:
-            raise not_differentiable(spec)
+        spec = self.spec
+        self._check_differentiable()
         if spec.jvp is None and _jax_internals.differentiation("custom_jvp rule") != "vjp":
             raise no_forward_mode(spec)
         arrays = as_arrays(primals)
         perturbed = [type(t) is not SymbolicZero for t in tangents]
         tangents = tuple(t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents)
-        needs = runner.needs_input_grad(perturbed, arrays)
-        perturbed = [p and is_differentiable_dtype(x.dtype) for p, x in zip(perturbed, arrays, strict=True)]
         with _jax_internals.on_primal_trace(arrays):
-            packed, residuals = runner.run_forward(arrays, needs, forward_mode=True)
-            # Under a higher-order derivative, outputs and saved outputs differentiate by jvp, not forward's code.
-            packed, residuals = self._tied(arrays, packed, residuals)
-        in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
-        linear = [d for d, p in enumerate(perturbed) if p]
-        own = OwnDerivative(self, residuals.meta, packed.layout, in_avals, linear, first_order=True)
-
-        computed: dict = {}  # output position -> its tangent
-        if linear and own.outputs:
-            # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
-            out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
-            of = [arrays[d] for d in linear] + [packed.arrays[j] for j in own.outputs]  # the primals of both
-            tangents_of = own.tangents(residuals.arrays, [tangents[d] for d in linear], out_types, of)
-            computed = dict(zip(own.outputs, tangents_of, strict=True))
+            packed, residuals, own = self._forward(arrays, perturbed)
+        computed = self._tangents(own, arrays, packed, residuals, tangents)
         tangents_out = tuple(
             computed[j] if j in computed else _jax_internals.symbolic_zero_like(a) for j, a in enumerate(packed.arrays)
         )
         return packed, Packed(tangents_out, packed.layout)
+
+    def linearize(self, trace: Any, leaves: tuple) -> Packed:
+        """Reverse mode's linearization of the ``custom_jvp`` (``trace``: the ``LinearizeTrace`` it runs under).
+
+        What JAX makes of ``rule`` there (forward on the primal trace, the
+        ``linear_call`` on the tangent trace), made directly: JAX would trace
+        the rule under partial evaluation and evaluate its linear part again.
+        """
+        self._check_differentiable()
+        primals, tangents = _jax_internals.linearize_inputs(trace, leaves)
+        with _jax_internals.on_trace(trace.parent_trace):
+            arrays = as_arrays(primals)
+            # JAX passes an integer input's tangent (float0) to the rule as a symbolic zero.
+            perturbed = [t is not None and is_differentiable_dtype(x.dtype)
+                         for t, x in zip(tangents, arrays, strict=True)]
+            packed, residuals, own = self._forward(arrays, perturbed)
+        with _jax_internals.on_trace(trace.tangent_trace):
+            computed = self._tangents(own, arrays, packed, residuals, tangents, linearizing=True)
+        outputs = [_jax_internals.linearized_output(trace, a, computed.get(j)) for j, a in enumerate(packed.arrays)]
+        return Packed(tuple(outputs), packed.layout)
+
+    def _check_differentiable(self) -> None:
+        if self.spec.backward is None and self.spec.jvp is None:
+            raise not_differentiable(self.spec)
+
+    def _forward(self, arrays: tuple, perturbed: list) -> tuple[Packed, Residuals, OwnDerivative]:
+        """forward's tied outputs and residuals, and its own derivative along the ``perturbed`` inputs."""
+        runner = self.runner
+        needs = runner.needs_input_grad(perturbed, arrays)
+        packed, residuals = runner.run_forward(arrays, needs, forward_mode=True)
+        # Under a higher-order derivative, outputs and saved outputs differentiate by jvp, not forward's code.
+        packed, residuals = self._tied(arrays, packed, residuals)
+        in_avals = [(tuple(x.shape), x.dtype) for x in arrays]
+        linear = [d for d, (p, x) in enumerate(zip(perturbed, arrays, strict=True))
+                  if p and is_differentiable_dtype(x.dtype)]
+        return packed, residuals, OwnDerivative(self, residuals.meta, packed.layout, in_avals, linear, first_order=True)
+
+    @staticmethod
+    def _tangents(own: OwnDerivative, arrays: tuple, packed: Packed, residuals: Residuals, tangents: Sequence[Any],
+                  linearizing: bool = False) -> dict:
+        """Output position -> its tangent, for the differentiable outputs, when any input moves."""
+        if not (own.linear and own.outputs):
+            return {}
+        # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
+        out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
+        of = [arrays[d] for d in own.linear] + [packed.arrays[j] for j in own.outputs]  # the primals of both
+        tangents_of = own.tangents(residuals.arrays, [tangents[d] for d in own.linear], out_types, of,
+                                   linearizing=linearizing)
+        return dict(zip(own.outputs, tangents_of, strict=True))
 
     # -- the tie's derivative ----------------------------------------------
 
@@ -191,14 +226,16 @@ class OwnDerivative:
         self.first_order = first_order
 
     def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any],
-                 primals: Sequence[Any]) -> list:
+                 primals: Sequence[Any], linearizing: bool = False) -> list:
         """One tangent per differentiable output (of types ``out_types``), as a ``linear_call``.
 
         Evaluating it runs ``jvp`` (or, without one, ``backward`` transposed
         by JAX); transposing it runs ``backward`` (or, without one, ``jvp``
         transposed by JAX). ``primals``: the primal of each linear input,
         then of each differentiable output; under ``jax.vmap`` a tangent is
-        batched only where they say it may be.
+        batched only where they say it may be. ``linearizing``: bound on
+        reverse mode's tangent trace (``Program.linearize``), to be
+        transposed, with no primals (partial evaluation would drop them).
         """
         spec = self.spec
         if spec.closes_over_tracer and spec.jvp is not None:
@@ -221,7 +258,8 @@ class OwnDerivative:
             transpose=backward_rule if spec.backward is not None else None,
             out_avals=out_types,
             name=self.name,
-            primals=primals if _jax_internals.vmap_batches_here() else (),
+            primals=primals if not linearizing and _jax_internals.vmap_batches_here() else (),
+            recorded=linearizing,
         )
 
     # -- the two rules of the linear_call ---------------------------------
