@@ -3,6 +3,8 @@
 A forward saving a closed-over vmap tracer is peer/test_jax_custom_vjp.py's test_closed_over_tracer3.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,40 @@ def test_backward_closing_over_a_vmap_tracer(transform):
 def test_backward_closing_over_a_value_being_differentiated():
     # The outer jax.grad differentiates the inner gradient through backward's use of y.
     np.testing.assert_allclose(jax.grad(_grad_with_backward_closing_over)(4.0), -2.0 * np.sin(4.0), rtol=1e-6)
+
+
+def _grad_with_backward_reaching_y_through(helper_of):
+    def inner(y):
+        slope = helper_of(y)  # backward reaches y only through this helper's closure
+
+        class Sine(vjpkit.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return 2.0 * jnp.sin(x)
+
+            @staticmethod
+            def backward(ctx, g):
+                return slope(g)
+
+        return jax.grad(Sine.apply)(1.0)
+
+    return inner
+
+
+def _partial_slope(y):
+    return functools.partial(lambda y, g: 2.0 * jnp.cos(y) * g, y)
+
+
+@pytest.mark.parametrize(
+    "helper_of",
+    [lambda y: (lambda g: 2.0 * jnp.cos(y) * g), lambda y: (lambda g: (lambda h: 2.0 * jnp.cos(y) * h)(g)),
+     _partial_slope],
+    ids=["helper", "helper_of_a_helper", "partial"],
+)
+def test_backward_reaching_a_value_being_differentiated_through_a_helper(helper_of):
+    # The gradient is 2cos(y); its derivative along y, from jax.grad of that maths, is -2sin(y).
+    expected = jax.grad(lambda y: 2.0 * jnp.cos(y))(4.0)
+    np.testing.assert_allclose(jax.grad(_grad_with_backward_reaching_y_through(helper_of))(4.0), expected, rtol=1e-6)
 
 
 def test_jvp_closing_over_a_vmap_tracer():

@@ -15,8 +15,10 @@ profiles and with JAX's errors about traced values turned into vjpkit's
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
+import types
 from typing import Any, Callable, Sequence
 
 import jax
@@ -206,15 +208,35 @@ def _cache_size(name: str, value: Any) -> int:
 
 
 def _closure_tracers(*methods: Any) -> frozenset:
-    """The ids of the JAX tracers that the methods' closures hold (directly, or as leaves of pytrees)."""
+    """The ids of the JAX tracers that the methods' closures hold.
+
+    Directly, as leaves of pytrees, or through the closures of the
+    functions they hold (a helper ``backward`` calls that closes over a
+    tracer, a ``functools.partial`` over one), at any depth.
+    """
     found: set[int] = set()
-    for method in methods:
-        for cell in getattr(method, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # not yet bound (the class itself, referred to by its own methods)
-                continue
-            found.update(id(leaf) for leaf in jax.tree_util.tree_leaves(value) if isinstance(leaf, jax.core.Tracer))
+    seen: set[int] = set()
+    pending = [m for m in methods if m is not None]
+    while pending:
+        function = pending.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        if isinstance(function, functools.partial):
+            pending.append(function.func)
+            contents = [function.args, function.keywords]
+        else:
+            contents = []
+            for cell in getattr(function, "__closure__", None) or ():
+                try:
+                    contents.append(cell.cell_contents)
+                except ValueError:  # not yet bound (the class itself, referred to by its own methods)
+                    continue
+        for leaf in jax.tree_util.tree_leaves(contents):
+            if isinstance(leaf, jax.core.Tracer):
+                found.add(id(leaf))
+            elif isinstance(leaf, (types.FunctionType, functools.partial)):
+                pending.append(leaf)
     return frozenset(found)
 
 
