@@ -33,6 +33,13 @@ import sys
 import pytest
 from hypothesis import HealthCheck, settings
 
+# One OpenMP thread for torch (and NumPy's BLAS), here and in every subprocess
+# the tests start, set before either library loads. With more, each worker's
+# threads spin waiting for each other on a machine whose cores the other
+# workers already fill: PyTorch's gradcheck of porting.md took 6-8 CPU
+# seconds with 2 threads, under 1 with one. The tests' arrays are small.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 
 # JAX compiles on first use of a program: per-example times vary by orders of

@@ -73,10 +73,12 @@ def main():
     xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
     ps = jax.device_put(params, replicated)
 
-    # Single-device references: vjpkit itself, and the plain math.
+    # Single-device references: vjpkit itself, and the plain math (jitted:
+    # op by op, each of its operations would compile a program of its own).
     single_out = jax.jit(model)(params, x)
     single_grad = jax.jit(jax.grad(loss))(params, x, y)
-    close(single_grad, jax.grad(plain_loss)(params, x, y))
+    plain_grads = jax.jit(jax.grad(plain_loss, argnums=(0, 1)))(params, x, y)
+    close(single_grad, plain_grads[0])
 
     def sharded_jit_forward():
         out = jax.jit(model)(ps, xs)
@@ -104,7 +106,7 @@ def main():
     def per_example_grads_sharded():
         per_example = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))
         got = jax.jit(per_example)(ps, xs[:, None], ys[:, None])
-        close(got, per_example(params, x[:, None], y[:, None]))
+        close(got, jax.jit(per_example)(params, x[:, None], y[:, None]))
 
     def shard_map_forward():
         f = shard_map(model, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
@@ -141,7 +143,7 @@ def main():
             return ((f(params, x) - y) ** 2).mean()
 
         got = jax.jit(jax.grad(sharded_loss, argnums=(0, 1)))(ps, xs, ys)
-        close(got, jax.grad(plain_loss, argnums=(0, 1))(params, x, y))
+        close(got, plain_grads)
 
     def shard_map_invariant_gradient_for_sharded_input():
         class Shift(vjpkit.Function):
