@@ -30,7 +30,7 @@ partial_eval.JaxprTrace                                0.4.38 to 0.6   none (and
 partial_eval.JaxprTrace, JaxprTracer (a rule run by    0.7 on          none
   linearize_from_jvp)
 ad.JVPTrace, ad.LinearizeTrace                         all             none
-ad.LinearizeTracer (vjpkit's reverse-mode linearize)   all             none
+ad.LinearizeTracer, JVPTracer (vjpkit's linearize)     all             none
 config.use_direct_linearize                            all             none (read as on where absent)
 config.config_ext                                      all             none (``jax.config`` defines no states)
 config.trace_context (its code is replaced)            0.4.38 to 0.7   none
@@ -311,29 +311,47 @@ def differentiation(caller: Literal["custom_jvp rule", "apply"]) -> str | None:
 # ---------------------------------------------------------------------------
 # interpreters.ad: reverse mode's linearization of a Function, made by vjpkit
 # (``Program.linearize``), as JAX makes a ``custom_vjp``'s: JAX's for a
-# custom_jvp partially evaluates the rule and evaluates its jaxpr again.
-# Every supported JAX's ``LinearizeTrace`` has ``parent_trace``,
-# ``tangent_trace`` and ``to_primal_tangent_pair``.
+# custom_jvp partially evaluates the rule and evaluates its jaxpr again
+# (JAX 0.7 on), or runs the rule and its checks under a ``JVPTrace`` over
+# partial evaluation (before 0.7, where that trace is reverse mode's and
+# ``jax.linearize``'s alike, as ``differentiation`` says).
 
 _LinearizeTracer = _require(_ad, "LinearizeTracer", "jax._src.interpreters.ad")
+_JVPTracer = _require(_ad, "JVPTracer", "jax._src.interpreters.ad")
 on_trace = _set_current_trace  # a context in which the trace passed is the current one
 
 
 def reverse_linearize_trace() -> Any:
-    """The current trace if it is a ``LinearizeTrace`` of reverse mode (``is_vjp``: JAX 0.9 on; before, always)."""
+    """The current trace if it linearizes for reverse mode: a ``LinearizeTrace`` (``is_vjp``: JAX 0.9 on;
+    before, always), or a ``JVPTrace`` over partial evaluation (before JAX 0.7)."""
     trace = _trace_ctx.trace
-    return trace if type(trace) is _LinearizeTrace and getattr(trace, "is_vjp", True) else None
+    if type(trace) is _LinearizeTrace:
+        return trace if getattr(trace, "is_vjp", True) else None
+    return trace if type(trace) is _JVPTrace and type(trace.parent_trace) is _JaxprTrace else None
 
 
-def linearize_inputs(trace: Any, values: Sequence[Any]) -> tuple[list, list]:
-    """The primal and the tangent (None: a known zero) of each of ``values`` under ``trace``."""
+def linearize_inputs(trace: Any, values: Sequence[Any]) -> tuple[Any, Any, list, list]:
+    """The traces for primals and for tangents, and the primal and the tangent (None: a known zero) of each value.
+
+    Under a ``JVPTrace`` both are its partial evaluation's trace, unless every
+    primal is known there: they then run on the trace that holds their values.
+    """
     pairs = [trace.to_primal_tangent_pair(value) for value in values]
-    return [p for p, _ in pairs], [None if type(t) is ad.Zero else t for _, t in pairs]
+    primals, tangents = [p for p, _ in pairs], [None if type(t) is ad.Zero else t for _, t in pairs]
+    if type(trace) is not _JVPTrace:
+        return trace.parent_trace, trace.tangent_trace, primals, tangents
+    partial = trace.parent_trace
+    if all(type(p) is not _JaxprTracer or (p._trace is partial and p.is_known()) for p in primals):
+        primals = [p.pval.get_known() if type(p) is _JaxprTracer else p for p in primals]
+        return partial.parent_trace, partial, primals, tangents
+    return partial, partial, primals, tangents
 
 
 def linearized_output(trace: Any, primal: Any, tangent: Any) -> Any:
     """An output of ``trace`` from its primal and its tangent (None: zero, and the output is the primal)."""
-    return primal if tangent is None else _LinearizeTracer(trace, primal, tangent)
+    if tangent is None:
+        return primal
+    return (_JVPTracer if type(trace) is _JVPTrace else _LinearizeTracer)(trace, primal, tangent)
 
 
 # ---------------------------------------------------------------------------

@@ -129,14 +129,14 @@ class Program:
         the rule under partial evaluation and evaluate its linear part again.
         """
         self._check_differentiable()
-        primals, tangents = _jax_internals.linearize_inputs(trace, leaves)
-        with _jax_internals.on_trace(trace.parent_trace):
+        primal_trace, tangent_trace, primals, tangents = _jax_internals.linearize_inputs(trace, leaves)
+        with _jax_internals.on_trace(primal_trace):
             arrays = as_arrays(primals)
             # JAX passes an integer input's tangent (float0) to the rule as a symbolic zero.
             perturbed = [t is not None and is_differentiable_dtype(x.dtype)
                          for t, x in zip(tangents, arrays, strict=True)]
             packed, residuals, own = self._forward(arrays, perturbed)
-        with _jax_internals.on_trace(trace.tangent_trace):
+        with _jax_internals.on_trace(tangent_trace):
             computed = self._tangents(own, arrays, packed, residuals, tangents, linearizing=True)
         outputs = [_jax_internals.linearized_output(trace, a, computed.get(j)) for j, a in enumerate(packed.arrays)]
         return Packed(tuple(outputs), packed.layout)
