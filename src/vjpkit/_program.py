@@ -122,11 +122,14 @@ class Program:
         return packed, Packed(tangents_out, packed.layout)
 
     def linearize(self, trace: Any, leaves: tuple) -> Packed:
-        """Reverse mode's linearization of the ``custom_jvp`` (``trace``: the ``LinearizeTrace`` it runs under).
+        """Reverse mode's linearization of the ``custom_jvp`` (``trace``: the trace that linearizes the call).
 
-        What JAX makes of ``rule`` there (forward on the primal trace, the
-        ``linear_call`` on the tangent trace), made directly: JAX would trace
-        the rule under partial evaluation and evaluate its linear part again.
+        What JAX makes of ``rule`` there (forward on the primals' trace, the
+        ``linear_call`` on the tangents'), made directly. From JAX 0.7
+        (``LinearizeTrace``) JAX would trace the rule under partial
+        evaluation and evaluate its linear part again; before (a ``JVPTrace``
+        over partial evaluation) it would run the rule, and every operation
+        of forward, through partial evaluation, after checking its outputs.
         """
         self._check_differentiable()
         primal_trace, tangent_trace, primals, tangents = _jax_internals.linearize_inputs(trace, leaves)
