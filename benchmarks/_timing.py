@@ -13,6 +13,7 @@ a benchmark timing PyTorch alone in a subprocess never loads it.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Any, Callable, NamedTuple, Sequence
@@ -39,13 +40,19 @@ class Candidate(NamedTuple):
 
 
 def time_interleaved(
-    candidates: Sequence[Candidate], *, repeat: int, number: int = 1, warmup: int = 1
+    candidates: Sequence[Candidate], *, repeat: int, number: int = 1, warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter, collect: bool = False,
 ) -> dict[str, list[float]]:
     """Seconds per call of each candidate, one sample per repeat.
 
     Each candidate first runs ``warmup`` times (compiling, filling caches; a
     candidate that checks something raises here). The order rotates every
     repeat: whoever runs first after a switch pays for cold caches.
+    ``clock``: wall time, or ``time.thread_time`` for work done in this
+    thread alone (tracing), which other processes' load barely changes.
+    ``collect``: a full garbage collection before each sample, untimed, so
+    that one candidate's garbage is not collected in another's time (each
+    sample still pays for the collections its own allocations cause).
     """
     samples: dict[str, list[float]] = {c.name: [] for c in candidates}
     for c in candidates:
@@ -55,11 +62,13 @@ def time_interleaved(
         k = r % len(candidates)
         for c in [*candidates[k:], *candidates[:k]]:
             n = c.number or number
-            start = time.perf_counter()
+            if collect:
+                gc.collect()
+            start = clock()
             for _ in range(n):
                 result = c.call()
             c.sync(result)
-            samples[c.name].append((time.perf_counter() - start) / n)
+            samples[c.name].append((clock() - start) / n)
     return samples
 
 

@@ -10,9 +10,14 @@ backward. For each size:
 - trace + lower of `jax.jit(jax.value_and_grad(loss)).lower(params, x)`, a
   fresh `jax.jit` every time (so nothing is reused from JAX's trace cache;
   vjpkit's per-class caches are warm, as in any process after the first
-  trace). Interleaved repeats in one process; medians; the ratio is the
-  median of per-repeat ratios, with an A/A row (a second, separately built
-  copy of the hand-written model). Target: vjpkit / hand-written <= 1.05.
+  trace). Interleaved repeats in one process, timed by the CPU time of
+  the tracing thread (tracing and lowering run in it alone; other
+  processes' load, which stretches wall time by whole scheduler slices,
+  barely changes it), each after a full garbage collection (the
+  collections its own allocations cause count, as for a user);
+  medians; the ratio is the median of per-repeat ratios, with an A/A row (a
+  second, separately built copy of the hand-written model). Target:
+  vjpkit / hand-written <= 1.05.
 - compile time of the lowered program (`Lowered.compile()`), interleaved the
   same way with fewer repeats: same program, so target equal.
 - whether the optimized HLO is the same: instruction count, opcode counts,
@@ -32,6 +37,7 @@ import argparse
 import cProfile
 import platform
 import pstats
+import time
 
 import jax
 import jax.numpy as jnp
@@ -131,14 +137,14 @@ def deep_model(layers, repeat):
     losses = dict(zip(MODELS, [make_deep_loss(hand_written_linear()), make_deep_loss(LinearFunction.apply),
                                make_deep_loss(hand_written_linear())], strict=True))
     cands = [Candidate(name, lambda loss=loss: lower(loss, params, x), no_wait, 1) for name, loss in losses.items()]
-    samples = time_interleaved(cands, repeat=repeat, warmup=1)
+    samples = time_interleaved(cands, repeat=repeat, warmup=1, clock=time.thread_time, collect=True)
     calls = {m: python_calls(lambda m=m: lower(losses[m], params, x)) for m in MODELS[:2]}
     eqns = {m: len(jax.make_jaxpr(jax.value_and_grad(losses[m]))(params, x).jaxpr.eqns) for m in MODELS[:2]}
     row = (f"{layers}", f"{median(samples[MODELS[1]]) * 1e3:.1f}", f"{median(samples[MODELS[0]]) * 1e3:.1f}",
            f"{paired_ratio(samples, MODELS[1], MODELS[0]):.3f}", f"{paired_ratio(samples, MODELS[2], MODELS[0]):.3f}",
            f"{eqns[MODELS[1]]} / {eqns[MODELS[0]]}", f"{calls[MODELS[1]] / calls[MODELS[0]]:.3f}")
-    print_table(f"{layers} layers of LinearFunction.apply(h, w) vs hand-written custom_vjp: trace + lower "
-                "(medians; ratio: median of per-repeat ratios)",
+    print_table(f"{layers} layers of LinearFunction.apply(h, w) vs hand-written custom_vjp: trace + lower, "
+                "thread CPU time (medians; ratio: median of per-repeat ratios)",
                 ["layers", "vjpkit ms", "hand-written ms", "ratio", "A/A ratio", "jaxpr equations",
                  "Python calls ratio"], [row])
     return float(row[3])
@@ -217,7 +223,7 @@ def main():
                                    make_loss(*hand_written())], strict=True))
         cands = [Candidate(name, lambda loss=loss, params=params, x=x: lower(loss, params, x), no_wait, 1)
                  for name, loss in losses.items()]
-        samples = time_interleaved(cands, repeat=repeat, warmup=1)
+        samples = time_interleaved(cands, repeat=repeat, warmup=1, clock=time.thread_time, collect=True)
         base, ours = samples[MODELS[0]], samples[MODELS[1]]
         trace_rows.append((f"{n_calls}", f"{median(ours) * 1e3:.1f}", f"{median(base) * 1e3:.1f}",
                            f"{paired_ratio(samples, MODELS[1], MODELS[0]):.3f}",
@@ -241,7 +247,8 @@ def main():
         jaxpr_rows.append((f"{n_calls}", f"{ours}", f"{theirs}", f"{(ours - theirs) / n_calls:.2f}"))
 
     header = ["Function calls", "vjpkit ms", "hand-written ms", "ratio", "A/A ratio"]
-    print_table("trace + lower of jax.jit(jax.value_and_grad(loss)) (medians; ratio: median of per-repeat ratios)",
+    print_table("trace + lower of jax.jit(jax.value_and_grad(loss)), thread CPU time (medians; ratio: median of "
+                "per-repeat ratios)",
                 header, trace_rows)
     print_table("compile of the lowered program", header, compile_rows)
     print_table("optimized HLO", ["Function calls", "vjpkit instructions", "hand-written instructions",

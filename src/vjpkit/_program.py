@@ -122,21 +122,24 @@ class Program:
         return packed, Packed(tangents_out, packed.layout)
 
     def linearize(self, trace: Any, leaves: tuple) -> Packed:
-        """Reverse mode's linearization of the ``custom_jvp`` (``trace``: the ``LinearizeTrace`` it runs under).
+        """Reverse mode's linearization of the ``custom_jvp`` (``trace``: the trace that linearizes the call).
 
-        What JAX makes of ``rule`` there (forward on the primal trace, the
-        ``linear_call`` on the tangent trace), made directly: JAX would trace
-        the rule under partial evaluation and evaluate its linear part again.
+        What JAX makes of ``rule`` there (forward on the primals' trace, the
+        ``linear_call`` on the tangents'), made directly. From JAX 0.7
+        (``LinearizeTrace``) JAX would trace the rule under partial
+        evaluation and evaluate its linear part again; before (a ``JVPTrace``
+        over partial evaluation) it would run the rule, and every operation
+        of forward, through partial evaluation, after checking its outputs.
         """
         self._check_differentiable()
-        primals, tangents = _jax_internals.linearize_inputs(trace, leaves)
-        with _jax_internals.on_trace(trace.parent_trace):
+        primal_trace, tangent_trace, primals, tangents = _jax_internals.linearize_inputs(trace, leaves)
+        with _jax_internals.on_trace(primal_trace):
             arrays = as_arrays(primals)
             # JAX passes an integer input's tangent (float0) to the rule as a symbolic zero.
             perturbed = [t is not None and is_differentiable_dtype(x.dtype)
                          for t, x in zip(tangents, arrays, strict=True)]
             packed, residuals, own = self._forward(arrays, perturbed)
-        with _jax_internals.on_trace(trace.tangent_trace):
+        with _jax_internals.on_trace(tangent_trace):
             computed = self._tangents(own, arrays, packed, residuals, tangents, linearizing=True)
         outputs = [_jax_internals.linearized_output(trace, a, computed.get(j)) for j, a in enumerate(packed.arrays)]
         return Packed(tuple(outputs), packed.layout)

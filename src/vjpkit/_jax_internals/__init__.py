@@ -1,0 +1,113 @@
+"""What vjpkit needs from JAX that no public JAX API offers, or that differs between JAX versions.
+
+The only package that imports ``jax._src``, and the only one that knows which
+JAX it runs on: vjpkit supports every JAX from 0.4.38 on, and was last tested
+with ``NEWEST_TESTED_JAX``. Each name is found by looking for it (not by
+comparing version strings), and each branch says which JAX versions take it.
+A name vjpkit cannot work without is looked up at import: a JAX that no
+longer has it fails ``import vjpkit`` with an ImportError naming it, instead
+of an AttributeError deep inside a trace.
+
+Every private name used, by JAX subsystem (versions: those that need it):
+
+=====================================================  ==============  ==========================================
+private name                                           JAX versions    public replacement
+=====================================================  ==============  ==========================================
+core.trace_ctx (the current trace)                     all             none
+core.set_current_trace (a rule's forward on its        all             none
+  primals' trace)
+core.get_aval                                          0.4.38 to 0.5.2 ``jax.typeof`` (0.5.3 on)
+core.ShardingTypeError                                 0.5 on          none
+core.no_axis_name, core.unmapped_aval                  all             none (vmap batching rules)
+batching.BatchTrace (is a vmap active)                 all             none
+batching.batch_custom_jvp_subtrace (its code: a frame  all             none
+  that traces a custom_jvp's rule for a vmap)
+experimental.shard_map.ShardMapTrace (eager shard_map  0.4.38 to 0.5   none
+  that refuses a custom_jvp with symbolic zeros)
+partial_eval.DynamicJaxprTrace                         all             none
+partial_eval.JaxprTrace                                0.4.38 to 0.6   none (and later JAX with
+                                                                       jax_use_direct_linearize off)
+partial_eval.JaxprTrace, JaxprTracer (a rule run by    0.7 on          none
+  linearize_from_jvp)
+ad.JVPTrace, ad.LinearizeTrace                         all             none
+ad.LinearizeTracer, JVPTracer (vjpkit's linearize)     all             none
+config.use_direct_linearize                            all             none (read as on where absent)
+config.config_ext                                      all             none (``jax.config`` defines no states)
+config.trace_context (its code is replaced)            0.4.38 to 0.7   none
+config.trace_context (called: gradcheck's cache key)   all             none
+ad.custom_lin_p (its rules wrapped to name a class)    all             none
+effects.ordered_effects                                all             none
+pjit._pjit_transpose_trace (presence only)             0.4.38 to 0.7   none
+util.weakref_cache_key_types                           0.7 on          none
+api_util.debug_info, save_wrapped_fun_debug_info       0.7 on          none
+=====================================================  ==============  ==========================================
+
+Public names whose home or meaning changed: ``jax.enable_x64`` (0.8 on;
+``jax.experimental.enable_x64`` before), ``jax.Inline`` (``jit``'s
+``inline=True`` inlines only when lowering from 0.11), ``jax.ffi`` (0.5 on;
+``jax.extend.ffi`` in 0.4.38), ``jax.lax.pcast`` (0.8 on; ``pvary`` in 0.6
+and 0.7), ``jax.sharding.AxisType`` and friends (0.5-0.6 on).
+
+Its modules, by JAX subsystem: ``_lookup`` (finding names, the modules
+looked in), ``values`` (core: types of values, vmap's batched types),
+``traces`` (core, partial_eval, ad: the current trace, which
+differentiation runs a rule, reverse mode's linearization, where a trace
+stands), ``programs`` (effects, jit, JAX's caches, configuration states)
+and ``apis`` (sharding types, the FFI, JAX's error messages). The rest of
+vjpkit imports their names from here.
+"""
+
+from __future__ import annotations
+
+from ._lookup import JAX_RELEASE, NEWEST_TESTED_JAX, Primitive, ShapedArray, ad, batching, mlir, partial_eval
+from .apis import ShardingApi, closed_over_tracer_type, ffi_api, is_closed_over_differentiated_error, sharding_api
+from .programs import (
+    INLINE_INTO_CALLER,
+    JAX_KEEPS_TRANSPOSED_JITS,
+    enable_x64,
+    hold_weakly_in_caches,
+    ordered_effects_without_tokens,
+    save_debug_info,
+    save_rule_debug_info,
+    thread_local_flag,
+    trace_configuration,
+)
+from .traces import (
+    JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS,
+    LINEARIZE_IS_TOLD_FROM_VJP,
+    differentiating_here,
+    differentiation,
+    is_batching,
+    is_staging,
+    linearize_inputs,
+    linearized_output,
+    on_primal_trace,
+    on_trace,
+    reaches_eager_shard_map_refusing_symbolic_zeros,
+    reverse_linearize_trace,
+    vmap_batches_here,
+)
+from .values import (
+    HAS_VARYING_TYPES,
+    batched_aval,
+    cast_to_varying,
+    symbolic_zero_like,
+    tangent_aval,
+    typeof,
+    varying_axes,
+    varying_axes_of_type,
+    vmap_axis_names,
+)
+
+__all__ = [
+    "HAS_VARYING_TYPES", "INLINE_INTO_CALLER", "JAX_KEEPS_TRANSPOSED_JITS", "JAX_RELEASE",
+    "JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS", "LINEARIZE_IS_TOLD_FROM_VJP", "NEWEST_TESTED_JAX", "Primitive",
+    "ShapedArray", "ShardingApi", "ad", "batched_aval", "batching", "cast_to_varying", "closed_over_tracer_type",
+    "differentiating_here", "differentiation", "enable_x64", "ffi_api", "hold_weakly_in_caches", "is_batching",
+    "is_closed_over_differentiated_error", "is_staging", "linearize_inputs", "linearized_output", "mlir",
+    "on_primal_trace", "on_trace", "ordered_effects_without_tokens", "partial_eval",
+    "reaches_eager_shard_map_refusing_symbolic_zeros", "reverse_linearize_trace", "save_debug_info",
+    "save_rule_debug_info", "sharding_api", "symbolic_zero_like", "tangent_aval", "thread_local_flag",
+    "trace_configuration", "typeof", "varying_axes", "varying_axes_of_type", "vmap_axis_names",
+    "vmap_batches_here",
+]

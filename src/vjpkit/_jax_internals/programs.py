@@ -1,0 +1,154 @@
+"""Programs: lowering with effects, ``jit``'s inlining and JAX's caches, debug info, configuration states
+and the configuration a trace depends on."""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import jax
+
+from ._lookup import _config, _pjit, _require, _require_module
+
+# ---------------------------------------------------------------------------
+# effects and mlir: lowering a primitive with effects.
+
+_ordered_effects = _require(_require_module("jax._src.effects"), "ordered_effects", "jax._src.effects")
+
+
+def ordered_effects_without_tokens(ctx: Any, effects: Any) -> list:
+    """The ordered members of ``effects`` that lowering context ``ctx`` has no token for.
+
+    Every supported JAX threads one token per ordered effect that an
+    equation declared (``ctx.tokens_in``), and no others.
+    """
+    return [e for e in effects if _ordered_effects.contains(e) and e not in ctx.tokens_in.effects()]
+
+
+# ---------------------------------------------------------------------------
+# jit (pjit) and JAX's caches.
+
+# ``jax.jit(..., inline=...)`` that inlines into the caller's jaxpr while an
+# outer trace stages it: ``inline=True`` in JAX 0.4.38 to 0.10; from JAX 0.11
+# (``jax.Inline``) ``True`` means ``Inline.JAX_LATE`` (a ``jit`` equation, inlined
+# only when lowered) and ``Inline.JAX_EARLY`` inlines while tracing.
+_inline = getattr(jax, "Inline", None)
+INLINE_INTO_CALLER: Any = _inline.JAX_EARLY if _inline is not None else True
+
+# JAX 0.4.38 to 0.7 cache every jit that eager reverse mode transposes
+# (``pjit._pjit_transpose_trace``, keyed by a module-level function, so never
+# dropped) until ``jax.clear_caches()``: a program vjpkit's cache drops stays
+# alive there if an eager ``jax.grad`` transposed it. JAX 0.8 removed it.
+JAX_KEEPS_TRANSPOSED_JITS = hasattr(_pjit, "_pjit_transpose_trace")
+
+
+def hold_weakly_in_caches(cls: type) -> None:
+    """Makes JAX's caches keyed by equation parameters hold instances of ``cls`` weakly.
+
+    Why: JAX 0.7 and later cache abstract evaluation by parameters, holding
+    other parameters strongly until evicted; a parameter that refers to a
+    program would keep it alive after vjpkit's cache (and every jaxpr) let
+    it go. Older JAX has no such cache, so there is nothing to register.
+    """
+    weak_types = getattr(_require_module("jax._src.util"), "weakref_cache_key_types", None)
+    if weak_types is not None:
+        weak_types.add(cls)
+
+
+_api_util = _require_module("jax._src.api_util")
+# JAX 0.7 and later compute a function's debug info (its name, source line
+# and argument names, read by error messages) on every call of a custom_vjp,
+# with ``inspect.signature`` and a flattening of the arguments, unless the
+# function carries it precomputed; older JAX has no such attribute.
+_DEBUG_INFO_CAN_BE_SAVED = (
+    hasattr(_api_util, "save_wrapped_fun_debug_info")
+    and "__fun_debug_info__" in _api_util.debug_info.__code__.co_consts
+)
+
+
+class _Leaf:
+    """An argument that is one leaf (an array's stand-in)."""
+
+
+def save_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
+    """Gives ``fn`` (always called with ``n_args`` arrays) the debug info JAX would compute on each call."""
+    if _DEBUG_INFO_CAN_BE_SAVED:
+        leaf = _Leaf()
+        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaf,) * n_args, {}))
+
+
+# ---------------------------------------------------------------------------
+# config: states.
+
+# ``jax.enable_x64(bool)``: a thread-local context manager; JAX before 0.8
+# has it as ``jax.experimental.enable_x64`` (gone from JAX 0.10).
+if hasattr(jax, "enable_x64"):
+    enable_x64: Callable[[bool], Any] = jax.enable_x64
+else:
+    enable_x64 = _require(_require_module("jax.experimental"), "enable_x64", "jax.experimental")
+
+
+def thread_local_flag(name: str) -> Any:
+    """A boolean JAX configuration state: ``.value``, ``.swap_local(v)``, ``.set_local(prev)``.
+
+    Why: ``vjpkit.detect_anomaly`` changes what vjpkit traces, so a program
+    that ``jax.jit`` traced without it must not be reused with it (nor the
+    reverse). JAX puts such states in its dispatch and trace cache keys, and
+    keeps their local values per thread. Relies on ``jaxlib``'s
+    ``config_ext.Config``, as ``jax._src.config`` builds its own.
+    """
+    config_ext = _require(_config, "config_ext", "jax._src.config")
+    try:
+        # JAX 0.8 and later: the state names itself and joins both keys.
+        return config_ext.Config(name, False, include_in_jit_key=True, include_in_trace_context=True)
+    except TypeError:
+        pass
+    # JAX 0.4.38 to 0.7: ``Config(default, include_in_jit_key)`` joins the
+    # dispatch key only. The trace caches key on ``config.trace_context()``, a
+    # fixed tuple, and hold that function itself (not its module attribute), so
+    # its code is swapped for code that also returns vjpkit's states (looked up
+    # in that module's namespace, where the original code is kept too).
+    state = config_ext.Config(False, True)
+    trace_context = _config.trace_context
+    namespace = trace_context.__globals__
+    if "_vjpkit_trace_states" not in namespace:
+        namespace["_vjpkit_trace_states"] = []
+        namespace["_vjpkit_trace_context"] = types.FunctionType(trace_context.__code__, namespace)
+        trace_context.__code__ = _trace_context_with_vjpkit_states.__code__
+    namespace["_vjpkit_trace_states"].append(state)
+    return state
+
+
+def _trace_context_with_vjpkit_states() -> tuple:
+    """The code ``thread_local_flag`` gives ``config.trace_context`` in JAX 0.4.38 to 0.7."""
+    return (*_vjpkit_trace_context(), *[s.value for s in _vjpkit_trace_states])  # type: ignore[name-defined]  # noqa: F821
+
+
+# ---------------------------------------------------------------------------
+# The configuration a trace depends on (_checking/runner.py keys its checkers by it).
+
+
+# ``jax._src.config.trace_context`` in every supported JAX (0.4.38 on); no public name.
+_trace_context = _require(_config, "trace_context", "jax._src.config")
+
+
+def trace_configuration() -> tuple:
+    """JAX's trace-time configuration (x64, matmul precision, default device, ...), hashable.
+
+    Why: ``jax.jit`` keys its own caches on it, and a cache of traced
+    programs outside ``jax.jit`` must too. In JAX 0.4.38 to 0.7,
+    ``thread_local_flag`` replaces the code of this same function object, so
+    vjpkit's own states (``detect_anomaly``) are part of it there too.
+    """
+    return _trace_context()
+
+
+#
+
+
+
+def save_rule_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
+    """``save_debug_info`` for a ``custom_jvp`` rule, which JAX describes as called with (primals, tangents)."""
+    if _DEBUG_INFO_CAN_BE_SAVED:
+        leaves = (_Leaf(),) * n_args
+        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaves, leaves), {}))
