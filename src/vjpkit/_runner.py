@@ -126,7 +126,7 @@ def profiled(owner: str, method: str) -> Any:
     JAX records the scope in each op's ``op_name`` metadata, which profilers
     (TensorBoard, Perfetto) and the compiled HLO show; it costs nothing at run time.
     """
-    return jax.named_scope(f"{owner}.{method}")
+    return _jax_internals.named_scope(f"{owner}.{method}")
 
 
 # ---------------------------------------------------------------------------

@@ -40,6 +40,8 @@ effects.ordered_effects                                all             none
 pjit._pjit_transpose_trace (presence only)             0.4.38 to 0.7   none
 util.weakref_cache_key_types                           0.7 on          none
 api_util.debug_info, save_wrapped_fun_debug_info       0.7 on          none
+source_info_util._source_info_context (a named scope)  0.4.38          ``jax.named_scope`` (0.5 on: as
+                                                                       cheap)
 =====================================================  ==============  ==========================================
 
 Public names whose home or meaning changed: ``jax.enable_x64`` (0.8 on;
@@ -66,6 +68,7 @@ from .programs import (
     JAX_KEEPS_TRANSPOSED_JITS,
     enable_x64,
     hold_weakly_in_caches,
+    named_scope,
     ordered_effects_without_tokens,
     save_debug_info,
     save_rule_debug_info,
@@ -105,6 +108,7 @@ __all__ = [
     "ShapedArray", "ShardingApi", "ad", "batched_aval", "batching", "cast_to_varying", "closed_over_tracer_type",
     "differentiating_here", "differentiation", "enable_x64", "ffi_api", "hold_weakly_in_caches", "is_batching",
     "is_closed_over_differentiated_error", "is_staging", "linearize_inputs", "linearized_output", "mlir",
+    "named_scope",
     "on_primal_trace", "on_trace", "ordered_effects_without_tokens", "partial_eval",
     "reaches_eager_shard_map_refusing_symbolic_zeros", "reverse_linearize_trace", "save_debug_info",
     "save_rule_debug_info", "sharding_api", "symbolic_zero_like", "tangent_aval", "thread_local_flag",

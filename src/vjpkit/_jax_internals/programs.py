@@ -26,6 +26,35 @@ def ordered_effects_without_tokens(ctx: Any, effects: Any) -> list:
 
 
 # ---------------------------------------------------------------------------
+# source_info_util: a named scope around a user's method (its ops' names in profiles).
+
+# ``jax.named_scope`` is a slotted context manager from JAX 0.5 on
+# (``source_info_util.ExtendNameStackContextManager``). In JAX 0.4.38 it is two
+# nested generator context managers, which cost a Function call about as much
+# tracing as its own operations: there vjpkit does what later JAX does.
+_source_info_util = _require_module("jax._src.source_info_util")
+if hasattr(_source_info_util, "ExtendNameStackContextManager"):  # JAX 0.5 on
+    named_scope: Callable[[str], Any] = jax.named_scope
+else:  # JAX 0.4.38
+    _source_info_context = _require(_source_info_util, "_source_info_context", "jax._src.source_info_util")
+
+    class named_scope:  # type: ignore[no-redef]
+        """``jax.named_scope(name)``, as JAX 0.5 and later make it."""
+
+        __slots__ = ("name", "prev")
+
+        def __init__(self, name: str):
+            self.name = name
+
+        def __enter__(self) -> None:
+            self.prev = prev = _source_info_context.context
+            _source_info_context.context = prev.replace(name_stack=prev.name_stack.extend(self.name))
+
+        def __exit__(self, *exc_info: Any) -> None:
+            _source_info_context.context = self.prev
+
+
+# ---------------------------------------------------------------------------
 # jit (pjit) and JAX's caches.
 
 # ``jax.jit(..., inline=...)`` that inlines into the caller's jaxpr while an
