@@ -409,12 +409,12 @@ def _differentiable(program: Program, arrays: tuple) -> Any:
     JAX 0.6, which refuses a custom_jvp with symbolic zeros (see ``_jax_internals``).
     """
     leaves = tuple(map(as_jax_leaf, arrays))
-    if _jax_internals.reaches_eager_shard_map_refusing_symbolic_zeros():
-        return program.runner.primal(*leaves)
     trace = _jax_internals.reverse_linearize_trace()
     if trace is not None and not program.spec.closes_over_tracer:
         # Reverse mode's linearization, made directly (JAX's would partially evaluate the rule).
         return program.linearize(trace, leaves)
+    if _jax_internals.reaches_eager_shard_map_refusing_symbolic_zeros():
+        return program.runner.primal(*leaves)
     return program.differentiable(*leaves)
 
 

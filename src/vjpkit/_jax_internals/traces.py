@@ -4,6 +4,7 @@ linearization of a Function; where a trace stands (vmap, eager shard_map)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 from typing import Any, Literal, Sequence
@@ -273,9 +274,7 @@ def reaches_eager_shard_map_refusing_symbolic_zeros() -> bool:
     program that never imported it has no such trace.
     """
     trace_type = getattr(sys.modules.get("jax.experimental.shard_map"), "ShardMapTrace", None)
-    method = getattr(trace_type, "process_custom_jvp_call", None)
-    constants = getattr(getattr(method, "__code__", None), "co_consts", ())
-    if not any(isinstance(c, str) and _SHARD_MAP_REFUSES_SYMBOLIC_ZEROS in c for c in constants):
+    if not _refuses_symbolic_zeros(trace_type):
         return False
     trace = _trace_ctx.trace
     while isinstance(trace, _BatchTrace):
@@ -283,3 +282,11 @@ def reaches_eager_shard_map_refusing_symbolic_zeros() -> bool:
     return isinstance(trace, trace_type)  # type: ignore[arg-type]  # a type: its method was found above
 
 
+
+
+@functools.cache
+def _refuses_symbolic_zeros(trace_type: Any) -> bool:
+    """Whether ``trace_type.process_custom_jvp_call`` has the refusal's message (read once per type)."""
+    method = getattr(trace_type, "process_custom_jvp_call", None)
+    constants = getattr(getattr(method, "__code__", None), "co_consts", ())
+    return any(isinstance(c, str) and _SHARD_MAP_REFUSES_SYMBOLIC_ZEROS in c for c in constants)
