@@ -72,16 +72,16 @@ SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 
 @pytest.fixture(scope="session")
 def run_script():
-    """Runs ``tests/scripts/NAME`` on DEVICES host CPU devices and returns the JSON it prints.
+    """Runs ``tests/scripts/NAME ARGS`` on DEVICES host CPU devices and returns the JSON it prints.
 
     The device count is fixed when JAX starts and a pytest process has one
     CPU device, so a multi-device check runs once in a subprocess (from a
     module-scoped fixture) and each test checks one of its cases.
     """
 
-    def run(name, devices, timeout=300):
+    def run(name, devices, *args, timeout=300):
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-        done = subprocess.run([sys.executable, str(SCRIPTS / name)], env=env, capture_output=True, text=True,
+        done = subprocess.run([sys.executable, str(SCRIPTS / name), *args], env=env, capture_output=True, text=True,
                               timeout=timeout)
         assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
         return json.loads(done.stdout)

@@ -5,9 +5,12 @@ exits non-zero on a mismatch, so this file only needs the exit status.
 
 An example that needs optional packages says so in a comment line near the
 top, e.g. `# requires: optax, sklearn` (import names); it is skipped when
-one of them is not importable. Examples run in subprocesses, several at a
-time (they are independent, and most of each run is importing JAX), each
-with a timeout: `VJPKIT_EXAMPLE_TIMEOUT` seconds, 300 by default.
+one of them is not importable. Most of a small example's run is importing
+JAX, so one subprocess (tests/scripts/run_examples.py) imports JAX and
+vjpkit once and forks a fresh process per example, which runs the script as
+`python examples/NAME.py` would; two or more at a time (they are
+independent), each with a timeout: `VJPKIT_EXAMPLE_TIMEOUT` seconds, 300 by
+default.
 
 The training examples are the exception (`RUN_BY_TEST_TRAINING`):
 tests/test_training.py (tests/test_transformer.py for the transformer) runs
@@ -15,8 +18,8 @@ their scripts and checks the numbers they print, so running them here too
 would only train the same models twice.
 """
 
-import concurrent.futures
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -27,6 +30,7 @@ import pytest
 
 EXAMPLES_DIR = pathlib.Path(__file__).resolve().parent.parent / "examples"
 ALL_EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
+RUNNER = pathlib.Path(__file__).resolve().parent / "scripts" / "run_examples.py"
 TIMEOUT_S = float(os.environ.get("VJPKIT_EXAMPLE_TIMEOUT", "300"))
 REQUIRES_LINE = re.compile(r"^#\s*requires:\s*(.+)$", re.MULTILINE)
 RUN_BY_TEST_TRAINING = {
@@ -54,19 +58,20 @@ def missing_modules(path):
     return [name for name in required_modules(path) if not is_importable(name)]
 
 
-def run_example(path):
+def run_examples(paths):
+    """``{path: {"returncode", "stdout", "stderr"}}`` for each example; returncode None: it timed out."""
+    workers = max(2, min(len(paths), os.cpu_count() or 2))
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    try:
-        return subprocess.run(
-            [sys.executable, str(path)],
-            cwd=EXAMPLES_DIR.parent,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as error:
-        return error
+    done = subprocess.run(
+        [sys.executable, str(RUNNER), str(TIMEOUT_S), str(workers), *map(str, paths)],
+        cwd=EXAMPLES_DIR.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S * (len(paths) + 1),  # the runner times each example out itself
+    )
+    assert done.returncode == 0, f"{RUNNER.name} failed:\n{done.stdout}\n{done.stderr}"
+    return {pathlib.Path(path): result for path, result in json.loads(done.stdout).items()}
 
 
 def example_param(path):
@@ -79,16 +84,14 @@ def example_param(path):
 
 @pytest.fixture(scope="module")
 def example_runs(request):
-    """Start every selected, runnable example at once; tests then wait on their own."""
+    """Every selected, runnable example's run, all started at once."""
     selected = [
         item.callspec.params["example"]
         for item in request.session.items
         if getattr(item, "originalname", None) == "test_example_runs"
         and not missing_modules(item.callspec.params["example"])
     ]
-    workers = max(2, min(len(selected), os.cpu_count() or 2))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        yield {path: pool.submit(run_example, path) for path in selected}
+    return run_examples(selected)
 
 
 def test_examples_exist():
@@ -98,10 +101,10 @@ def test_examples_exist():
 
 @pytest.mark.parametrize("example", [example_param(p) for p in EXAMPLES])
 def test_example_runs(example, example_runs):
-    result = example_runs[example].result()
-    if isinstance(result, subprocess.TimeoutExpired):
+    result = example_runs[example]
+    if result["returncode"] is None:
         pytest.fail(f"{example.name} did not finish within {TIMEOUT_S:g} s")
-    assert result.returncode == 0, (
-        f"python examples/{example.name} exited with {result.returncode}\n"
-        f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+    assert result["returncode"] == 0, (
+        f"python examples/{example.name} exited with {result['returncode']}\n"
+        f"--- stdout ---\n{result['stdout']}\n--- stderr ---\n{result['stderr']}"
     )

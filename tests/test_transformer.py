@@ -153,15 +153,18 @@ def test_op_matches_its_pytorch_original(name):
 # ---------------------------------------------------------------------------
 # The model.
 
-TINY = train_transformer.Config(layers=1, width=16, heads=2, context=16, block=8)
+# Two key blocks of 4: attention's loops loop.
+TINY = train_transformer.Config(layers=1, width=8, heads=2, context=8, block=4)
 
 
 def test_training_step_equals_plain_autodiffs(x64):
     rng = np.random.default_rng(1)
     tokens, targets = train_transformer.sample_batch(rng.integers(0, 128, 500), 3, TINY.context, rng)
-    params = jax.tree.map(lambda a: a.astype(jnp.float64), train_transformer.init_params(jax.random.key(0), TINY))
+    # Jitted: op by op, the initializations would compile a program per operation.
+    init = jax.jit(lambda key: jax.tree.map(lambda a: a.astype(jnp.float64), train_transformer.init_params(key, TINY)))
+    params = init(jax.random.key(0))
     optimizer = train_transformer.make_optimizer(steps=10, warmup=0)
-    state = optimizer.init(params)
+    state = jax.jit(optimizer.init)(params)
     got = train_transformer.make_train_step(optimizer, TINY)(params, state, tokens, targets)
     want = train_transformer.make_train_step(optimizer, TINY, train_transformer.AUTODIFF_OPS)(
         params, state, tokens, targets)
@@ -224,7 +227,7 @@ def test_benchmark_pytorch_model_is_the_vjpkit_model(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES_DIR.parent / "benchmarks"))
     import transformer as benchmark
 
-    config = TINY._replace(context=8, block=4)
+    config = TINY
     loss_fn, params, tokens, targets = benchmark.torch_model(config)
     loss = loss_fn(params, tokens, targets)
     loss.backward()
