@@ -13,7 +13,6 @@ a benchmark timing PyTorch alone in a subprocess never loads it.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from typing import Any, Callable, NamedTuple, Sequence
@@ -41,7 +40,7 @@ class Candidate(NamedTuple):
 
 def time_interleaved(
     candidates: Sequence[Candidate], *, repeat: int, number: int = 1, warmup: int = 1,
-    clock: Callable[[], float] = time.perf_counter, collect: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """Seconds per call of each candidate, one sample per repeat.
 
@@ -50,9 +49,6 @@ def time_interleaved(
     repeat: whoever runs first after a switch pays for cold caches.
     ``clock``: wall time, or ``time.thread_time`` for work done in this
     thread alone (tracing), which other processes' load barely changes.
-    ``collect``: a full garbage collection before each sample, untimed, so
-    that one candidate's garbage is not collected in another's time (each
-    sample still pays for the collections its own allocations cause).
     """
     samples: dict[str, list[float]] = {c.name: [] for c in candidates}
     for c in candidates:
@@ -62,8 +58,6 @@ def time_interleaved(
         k = r % len(candidates)
         for c in [*candidates[k:], *candidates[:k]]:
             n = c.number or number
-            if collect:
-                gc.collect()
             start = clock()
             for _ in range(n):
                 result = c.call()

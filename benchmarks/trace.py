@@ -13,8 +13,9 @@ backward. For each size:
   trace). Interleaved repeats in one process, timed by the CPU time of
   the tracing thread (tracing and lowering run in it alone; other
   processes' load, which stretches wall time by whole scheduler slices,
-  barely changes it), each after a full garbage collection (the
-  collections its own allocations cause count, as for a user);
+  barely changes it; Python's garbage collections count where they fall,
+  as for a user: a full collection before each sample would favour
+  whichever model ends just under the collector's threshold);
   medians; the ratio is the median of per-repeat ratios, with an A/A row (a
   second, separately built copy of the hand-written model). Target:
   vjpkit / hand-written <= 1.05.
@@ -137,7 +138,7 @@ def deep_model(layers, repeat):
     losses = dict(zip(MODELS, [make_deep_loss(hand_written_linear()), make_deep_loss(LinearFunction.apply),
                                make_deep_loss(hand_written_linear())], strict=True))
     cands = [Candidate(name, lambda loss=loss: lower(loss, params, x), no_wait, 1) for name, loss in losses.items()]
-    samples = time_interleaved(cands, repeat=repeat, warmup=1, clock=time.thread_time, collect=True)
+    samples = time_interleaved(cands, repeat=repeat, warmup=1, clock=time.thread_time)
     calls = {m: python_calls(lambda m=m: lower(losses[m], params, x)) for m in MODELS[:2]}
     eqns = {m: len(jax.make_jaxpr(jax.value_and_grad(losses[m]))(params, x).jaxpr.eqns) for m in MODELS[:2]}
     row = (f"{layers}", f"{median(samples[MODELS[1]]) * 1e3:.1f}", f"{median(samples[MODELS[0]]) * 1e3:.1f}",
@@ -223,7 +224,7 @@ def main():
                                    make_loss(*hand_written())], strict=True))
         cands = [Candidate(name, lambda loss=loss, params=params, x=x: lower(loss, params, x), no_wait, 1)
                  for name, loss in losses.items()]
-        samples = time_interleaved(cands, repeat=repeat, warmup=1, clock=time.thread_time, collect=True)
+        samples = time_interleaved(cands, repeat=repeat, warmup=1, clock=time.thread_time)
         base, ours = samples[MODELS[0]], samples[MODELS[1]]
         trace_rows.append((f"{n_calls}", f"{median(ours) * 1e3:.1f}", f"{median(base) * 1e3:.1f}",
                            f"{paired_ratio(samples, MODELS[1], MODELS[0]):.3f}",
