@@ -162,15 +162,22 @@ class _TracedRule:
     prints and callbacks) and never removes a call that has effects.
     """
 
+    # Slots, and the rule's jaxprs made on the first asked for (reverse mode never asks): a trace
+    # keeps one per bound call alive until it ends, and Python's garbage collector walks them all.
+    __slots__ = ("apply", "num_res", "num_witnesses", "out_avals", "name", "_jaxprs", "__weakref__")
+
     def __init__(self, apply: Callable, num_res: int, num_witnesses: int, out_avals: tuple):
-        self.rule = _flat_rule(apply, num_res, out_avals, num_witnesses)
+        self.apply, self.num_res, self.num_witnesses, self.out_avals = apply, num_res, num_witnesses, out_avals
         self.name = getattr(apply, "__qualname__", "rule")
-        self._jaxprs: dict = {}
+        self._jaxprs: dict | None = None
 
     def jaxpr(self, in_avals: Sequence[Any]) -> Any:
         key = tuple(in_avals)
+        if self._jaxprs is None:
+            self._jaxprs = {}
         if key not in self._jaxprs:
-            self._jaxprs[key] = jax.make_jaxpr(self.rule)(*key)
+            rule = _flat_rule(self.apply, self.num_res, self.out_avals, self.num_witnesses)
+            self._jaxprs[key] = jax.make_jaxpr(rule)(*key)
         return self._jaxprs[key]
 
     def __repr__(self) -> str:

@@ -216,6 +216,9 @@ class OwnDerivative:
     is forward mode, which a class without ``jvp`` does not have.
     """
 
+    # Slots: a trace keeps one per call alive until it ends, and Python's garbage collector walks them all.
+    __slots__ = ("runner", "spec", "name", "meta", "out_layout", "in_avals", "linear", "outputs", "first_order")
+
     def __init__(self, program: Program, meta: ResidualMeta, out_layout: Any, in_avals: list, linear: list,
                  first_order: bool = False):
         self.runner = program.runner
@@ -246,10 +249,6 @@ class OwnDerivative:
             # hold: jvp runs inline, where that tracer lives, and reverse mode transposes it (a custom_jvp's way).
             return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
 
-        def backward_rule(residuals: tuple, cotangents: tuple) -> list:
-            return self.apply_backward(residuals, cotangents)
-
-        backward_rule.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
         if spec.jvp is not None:
             apply = self.apply_jvp
         else:
@@ -258,7 +257,7 @@ class OwnDerivative:
             tuple(residuals),
             list(linear_tangents),
             apply=apply,
-            transpose=backward_rule if spec.backward is not None else None,
+            transpose=self.apply_backward if spec.backward is not None else None,
             out_avals=out_types,
             name=self.name,
             primals=primals if not linearizing and _jax_internals.vmap_batches_here() else (),
@@ -280,6 +279,8 @@ class OwnDerivative:
         shardings = _sharding.gradient_shardings(self.meta.in_kinds)  # one per array input
         gradient_shardings = [shardings[d] for d in self.linear]
         return _sharding.call_with_auto_axes(self._backward, (residuals, cotangents), gradient_shardings)
+
+    apply_backward.takes_symbolic_zeros = True  # type: ignore[attr-defined]  # backward sees None for absent gradients
 
     def _backward(self, residuals: tuple, cotangents: tuple) -> list:
         full: list = [SymbolicZero(None)] * len(self.meta.out_avals)  # type: ignore[arg-type]  # absent
