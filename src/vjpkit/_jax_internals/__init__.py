@@ -25,8 +25,8 @@ batching.batch_custom_jvp_subtrace (its code: a frame  all             none
 experimental.shard_map.ShardMapTrace (eager shard_map  0.4.38 to 0.5   none
   that refuses a custom_jvp with symbolic zeros)
 partial_eval.DynamicJaxprTrace                         all             none
-partial_eval.JaxprTrace                                0.4.38 to 0.6   none (and later JAX with
-                                                                       jax_use_direct_linearize off)
+partial_eval.JaxprTrace, JaxprTracer (reverse mode's   0.4.38 to 0.6   none (and later JAX with
+  jvp over partial evaluation, its known values)                       jax_use_direct_linearize off)
 partial_eval.JaxprTrace, JaxprTracer (a rule run by    0.7 on          none
   linearize_from_jvp)
 ad.JVPTrace, ad.LinearizeTrace                         all             none
