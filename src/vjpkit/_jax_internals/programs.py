@@ -106,6 +106,13 @@ def save_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
         _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaf,) * n_args, {}))
 
 
+def save_rule_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
+    """``save_debug_info`` for a ``custom_jvp`` rule, which JAX describes as called with (primals, tangents)."""
+    if _DEBUG_INFO_CAN_BE_SAVED:
+        leaves = (_Leaf(),) * n_args
+        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaves, leaves), {}))
+
+
 # ---------------------------------------------------------------------------
 # config: states.
 
@@ -171,13 +178,3 @@ def trace_configuration() -> tuple:
     """
     return _trace_context()
 
-
-#
-
-
-
-def save_rule_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
-    """``save_debug_info`` for a ``custom_jvp`` rule, which JAX describes as called with (primals, tangents)."""
-    if _DEBUG_INFO_CAN_BE_SAVED:
-        leaves = (_Leaf(),) * n_args
-        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaves, leaves), {}))
