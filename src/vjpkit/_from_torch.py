@@ -74,7 +74,7 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
             (PyTorch's reentrant checkpoint and its copies). Then every leaf
             the original reaches accumulates ``.grad``, as under ``.backward()``
             in PyTorch; from_torch reads its own leaves' and clears them.
-        mode: ``"callback"`` runs the original on the host on every call;
+        mode: ``"callback"`` runs the original in a callback on every call;
             ``"trace"`` runs its torch operations as JAX operations, compiled
             with the rest of the program (an operation with no JAX rule, or
             code that reads a value, raises ``NotImplementedError`` naming
@@ -84,8 +84,8 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
     Returns:
         A vjpkit Function class (for a Function subclass) or its ``apply``.
 
-    The key differences to porting the class are: it runs PyTorch on the
-    host on every call (a callback per call, forward run again to
+    The key differences to porting the class are: it runs PyTorch eager
+    on every call (a callback per call, forward run again to
     differentiate), it cannot be fused or sharded by XLA, and forward mode
     needs the original's ``jvp`` (or torch's forward AD, for a callable).
     """
