@@ -207,3 +207,61 @@ def test_float64_crosses_as_float64(path):
         np.testing.assert_allclose(y, swish(x), rtol=1e-12)
         np.testing.assert_allclose(jax.grad(lambda x: Swish.apply(x).sum())(x), jax.grad(lambda x: swish(x).sum())(x),
                                    rtol=1e-12)
+
+
+class FakeBuffer:
+    def __init__(self, device):
+        self.device = device
+
+    def __dlpack_device__(self):
+        return self.device
+
+
+class FakeContext:
+    """A buffer callback's execution context; reading its stream off a GPU raises, as XLA's does."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    @property
+    def stream(self):
+        if self._stream is None:
+            raise RuntimeError("UNIMPLEMENTED: XLA FFI GPU context is not available")
+        return self._stream
+
+
+class FakeCuda:
+    """torch.cuda's two calls the GPU path makes, recorded (no GPU runs these tests)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def ExternalStream(self, pointer, device):  # noqa: N802 - torch's name
+        self.calls.append(("ExternalStream", pointer, device))
+        return ("stream", pointer)
+
+    def stream(self, stream):
+        self.calls.append(("stream", stream))
+        return "torch.cuda.stream context"
+
+
+def test_on_a_gpu_torch_runs_on_xlas_stream_on_the_buffers_device():
+    from vjpkit._torch_device import _on_xla_stream
+
+    fake = type("FakeTorch", (), {"cuda": FakeCuda(), "device": staticmethod(lambda kind, index: f"{kind}:{index}")})
+    kCUDA = 2  # noqa: N806 - DLPack's name for a CUDA device
+    got = _on_xla_stream(fake, FakeContext(0xABC), [FakeBuffer((kCUDA, 1)), FakeBuffer((kCUDA, 1))])
+    assert got == "torch.cuda.stream context"
+    assert fake.cuda.calls == [("ExternalStream", 0xABC, "cuda:1"), ("stream", ("stream", 0xABC))]
+
+
+def test_on_the_cpu_no_stream_is_read():
+    from vjpkit._torch_device import _on_xla_stream
+
+    fake = type("FakeTorch", (), {"cuda": FakeCuda()})
+    kCPU = 1  # noqa: N806 - DLPack's name for the host
+    with _on_xla_stream(fake, FakeContext(None), [FakeBuffer((kCPU, 0))]):
+        pass
+    with _on_xla_stream(fake, FakeContext(None), []):  # no array at all
+        pass
+    assert fake.cuda.calls == []
