@@ -18,7 +18,8 @@ machinery). Candidates, each in four modes:
 
 Modes: forward called directly (vjpkit's apply is itself compiled, so this
 is its eager call), forward inside ``jax.jit``, ``jax.grad`` called
-directly (it traces on every call), and ``jax.jit(jax.grad)``. The loss is
+directly (it traces on every call), and ``jax.jit(jax.grad)``; PyTorch
+eager's figure in the jitted rows is its forward, or forward and backward. The loss is
 ``sum(swish(x) * x)``. All candidates run in one process, interleaved
 repeat by repeat; figures are medians in µs per call, ratios are medians of
 per-repeat ratios (paired), so load that comes and goes cancels out.
@@ -34,7 +35,7 @@ prints what device the original's tensors were on and whether they share the
 arrays' memory. The issue's GPU row, in well under a minute::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/from_torch.py \
-        --device gpu --size 1000000 --modes "jit(grad)" --quick --repeat 11
+        --device gpu --size 1000000 --modes "jit(grad)" --quick --repeat 15
 """
 
 import argparse
@@ -150,11 +151,12 @@ def main():
 
     modes = {
         "forward": (Swish.apply, FromTorch.apply, Traced.apply, torch_forward),
-        "forward in jit": (jax.jit(Swish.apply), jax.jit(FromTorch.apply), jax.jit(Traced.apply), None),
+        # PyTorch eager has no jit: its row's figure is the same work, eager.
+        "forward in jit": (jax.jit(Swish.apply), jax.jit(FromTorch.apply), jax.jit(Traced.apply), torch_forward),
         "grad": (jax.grad(loss(Swish.apply)), jax.grad(loss(FromTorch.apply)), jax.grad(loss(Traced.apply)),
                  torch_grad),
         "jit(grad)": (jax.jit(jax.grad(loss(Swish.apply))), jax.jit(jax.grad(loss(FromTorch.apply))),
-                      jax.jit(jax.grad(loss(Traced.apply))), None),
+                      jax.jit(jax.grad(loss(Traced.apply))), torch_grad),
     }
     if args.modes is not None:
         wanted = [m.strip() for m in args.modes.split(",")]
