@@ -16,9 +16,10 @@ Usage::
 
 The original runs in a callback on tensors sharing the arrays' memory by
 DLPack: XLA's buffers on their device (``_torch_device.py``), or host arrays
-(``jax.pure_callback``) on a JAX without ``buffer_callback``. The result is
-a generated vjpkit Function whose forward calls torch, so static arguments,
-keyword arguments, the compile cache and the checks are vjpkit's own. Each derivative is again a generated Function:
+(``jax.pure_callback``) on a JAX without ``buffer_callback``. The result
+is a generated vjpkit Function whose forward calls torch, so static
+arguments, keyword arguments, the compile cache and the checks are
+vjpkit's own. Each derivative is again a generated Function:
 
 - level 0 runs the original (``Cls.apply`` or the callable);
 - level k+1 is the vector-Jacobian product of level k, computed by torch
