@@ -14,10 +14,12 @@ Usage::
     jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))(x)
     soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1))
 
-The original runs on the host through ``jax.pure_callback``; arrays cross
-by DLPack. The result is a generated vjpkit Function whose forward calls
-torch, so static arguments, keyword arguments, the compile cache and the
-checks are vjpkit's own. Each derivative is again a generated Function:
+The original runs in a callback on tensors sharing the arrays' memory by
+DLPack: XLA's buffers on their device (``_torch_device.py``), or host arrays
+(``jax.pure_callback``) on a JAX without ``buffer_callback``. The result
+is a generated vjpkit Function whose forward calls torch, so static
+arguments, keyword arguments, the compile cache and the checks are
+vjpkit's own. Each derivative is again a generated Function:
 
 - level 0 runs the original (``Cls.apply`` or the callable);
 - level k+1 is the vector-Jacobian product of level k, computed by torch
@@ -48,9 +50,9 @@ import numpy as np
 from . import _caches, _sharding
 from ._ctx import FunctionCtx
 from ._function import Function
-from ._host import _pure_callback
 from ._once import call_without_derivative, once_differentiable
 from ._outputs import is_differentiable_dtype
+from ._torch_device import as_output, keeps_tensors, torch_callback
 from ._tree import Partition, is_array, partition
 
 __all__ = ["from_torch"]
@@ -73,7 +75,7 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
             (PyTorch's reentrant checkpoint and its copies). Then every leaf
             the original reaches accumulates ``.grad``, as under ``.backward()``
             in PyTorch; from_torch reads its own leaves' and clears them.
-        mode: ``"callback"`` runs the original on the host on every call;
+        mode: ``"callback"`` runs the original in a callback on every call;
             ``"trace"`` runs its torch operations as JAX operations, compiled
             with the rest of the program (an operation with no JAX rule, or
             code that reads a value, raises ``NotImplementedError`` naming
@@ -83,8 +85,8 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
     Returns:
         A vjpkit Function class (for a Function subclass) or its ``apply``.
 
-    The key differences to porting the class are: it runs PyTorch on the
-    host on every call (a callback per call, forward run again to
+    The key differences to porting the class are: it runs PyTorch eager
+    on every call (a callback per call, forward run again to
     differentiate), it cannot be fused or sharded by XLA, and forward mode
     needs the original's ``jvp`` (or torch's forward AD, for a callable).
     """
@@ -370,7 +372,8 @@ class _Program:
         host = functools.partial(self._host_forward, wanted)
 
         def forward_of_arrays(*xs: Any) -> Any:
-            out = _pure_callback(host, out_struct, *xs, vmap_method="expand_dims" if batched else "sequential")
+            out = torch_callback(self.origin.torch, host, out_struct, *xs,
+                                 vmap_method="expand_dims" if batched else "sequential")
             return _sharding.vary_like(out, list(xs))  # under shard_map: per-device values
 
         if not (self.origin.once and self.method == self.origin.forward_name):
@@ -434,7 +437,7 @@ class _Program:
         out_struct = [jax.ShapeDtypeStruct(s, d) for (s, d), diff in
                       zip(self.out_kinds, self.differentiable_out, strict=True) if diff]
         host = functools.partial(self._host_jvp, present)
-        got = iter(_pure_callback(host, out_struct, *arrays, *sent, vmap_method="sequential"))
+        got = iter(torch_callback(self.origin.torch, host, out_struct, *arrays, *sent, vmap_method="sequential"))
         return [next(got) if diff else None
                 for (s, _), diff in zip(self.out_kinds, self.differentiable_out, strict=True)]
 
@@ -535,6 +538,8 @@ class _Program:
                 )
 
     def _to_numpy(self, outs: Sequence[Any], kinds: Sequence[tuple] | None = None) -> list:
+        if keeps_tensors():  # written into XLA's output buffers, on the device (_torch_device.py)
+            return [as_output(o) for o in outs]
         kinds = self.out_kinds if kinds is None else kinds
         return [_numpy_of(self.origin.torch, o, shape, dtype) for o, (shape, dtype) in zip(outs, kinds, strict=True)]
 
@@ -627,7 +632,7 @@ def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[li
         for low in (0.5, -1.5):
             out_info.clear()
             rng = np.random.default_rng(0)
-            samples = [torch.from_dlpack(_sample(rng, shape, dtype, low)) for shape, dtype in program.in_kinds]
+            samples = meta = [torch.from_dlpack(_sample(rng, shape, dtype, low)) for shape, dtype in program.in_kinds]
             try:
                 with torch.no_grad(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -637,6 +642,7 @@ def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[li
                 if low != -1.5:
                     continue
                 raise
+    program._check_unchanged(meta, [0] * len(meta))  # refused before a run could write into JAX's buffers
     leaves = out_info["leaves"]
     treedef = out_info["treedef"]
     out_info.pop("leaves")

@@ -48,7 +48,8 @@ Public names whose home or meaning changed: ``jax.enable_x64`` (0.8 on;
 ``jax.experimental.enable_x64`` before), ``jax.Inline`` (``jit``'s
 ``inline=True`` inlines only when lowering from 0.11), ``jax.ffi`` (0.5 on;
 ``jax.extend.ffi`` in 0.4.38), ``jax.lax.pcast`` (0.8 on; ``pvary`` in 0.6
-and 0.7), ``jax.sharding.AxisType`` and friends (0.5-0.6 on).
+and 0.7), ``jax.sharding.AxisType`` and friends (0.5-0.6 on),
+``jax.experimental.buffer_callback`` (0.6 on: ``from_torch`` on the arrays' device).
 
 Its modules, by JAX subsystem: ``_lookup`` (finding names, the modules
 looked in), ``values`` (core: types of values, vmap's batched types),
@@ -62,7 +63,14 @@ vjpkit imports their names from here.
 from __future__ import annotations
 
 from ._lookup import JAX_RELEASE, NEWEST_TESTED_JAX, Primitive, ShapedArray, ad, batching, mlir, partial_eval
-from .apis import ShardingApi, closed_over_tracer_type, ffi_api, is_closed_over_differentiated_error, sharding_api
+from .apis import (
+    ShardingApi,
+    buffer_callback_api,
+    closed_over_tracer_type,
+    ffi_api,
+    is_closed_over_differentiated_error,
+    sharding_api,
+)
 from .programs import (
     INLINE_INTO_CALLER,
     JAX_KEEPS_TRANSPOSED_JITS,
@@ -105,7 +113,8 @@ from .values import (
 __all__ = [
     "HAS_VARYING_TYPES", "INLINE_INTO_CALLER", "JAX_KEEPS_TRANSPOSED_JITS", "JAX_RELEASE",
     "JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS", "LINEARIZE_IS_TOLD_FROM_VJP", "NEWEST_TESTED_JAX", "Primitive",
-    "ShapedArray", "ShardingApi", "ad", "batched_aval", "batching", "cast_to_varying", "closed_over_tracer_type",
+    "ShapedArray", "ShardingApi", "ad", "batched_aval", "batching", "buffer_callback_api", "cast_to_varying",
+    "closed_over_tracer_type",
     "differentiating_here", "differentiation", "enable_x64", "ffi_api", "hold_weakly_in_caches", "is_batching",
     "is_closed_over_differentiated_error", "is_staging", "linearize_inputs", "linearized_output", "mlir",
     "named_scope",

@@ -1,5 +1,5 @@
-"""Public JAX surfaces that moved or changed between versions (sharding types, the XLA FFI), and JAX's
-error messages that vjpkit explains."""
+"""Public JAX surfaces that moved or changed between versions (sharding types, the XLA FFI, callbacks on
+device buffers), and JAX's error messages that vjpkit explains."""
 
 from __future__ import annotations
 
@@ -87,6 +87,27 @@ def ffi_api() -> FfiApi:
         return ffi.ffi_call(target_name, result_shape_dtypes, vmap_method=vmap_method)
 
     return FfiApi(ffi.include_dir, ffi.pycapsule, ffi.register_ffi_target, ffi_call)
+
+
+
+# ---------------------------------------------------------------------------
+# Callbacks on device buffers (``_torch_device.py``).
+
+
+@functools.cache
+def buffer_callback_api() -> Callable[..., Any] | None:
+    """``jax.experimental.buffer_callback.buffer_callback``, or None where this JAX lacks it.
+
+    Why: it hands a callback XLA's own buffers (DLPack on CPU and GPU) and, on
+    a GPU, XLA's stream, so ``from_torch`` runs torch where the arrays are
+    without a copy. JAX 0.6 and later have it with buffers that speak DLPack;
+    0.4.38 to 0.5 do not (there ``jax.pure_callback`` hands host arrays).
+    """
+    try:
+        from jax.experimental.buffer_callback import Buffer, buffer_callback
+    except ImportError:
+        return None
+    return buffer_callback if hasattr(Buffer, "__dlpack__") else None
 
 
 # ---------------------------------------------------------------------------
