@@ -355,7 +355,9 @@ class FlashAttention(vjpkit.Function):
         return dq, dk, dv, None, None
 
 
-flash_attention = FlashAttention.apply
+def flash_attention(q, k, v, block=None, interpret=None):
+    """``FlashAttention.apply``, with ``interpret=None`` resolved here: a static argument, so part of its cache key."""
+    return FlashAttention.apply(q, k, v, block, interpret_default() if interpret is None else interpret)
 
 
 # The custom calls Pallas's Triton lowering emits: the Triton IR (JAX 0.10 and before) or the compiled kernel.

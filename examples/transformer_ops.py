@@ -217,7 +217,7 @@ def causal_attention(q, k, v, block=128):
     On a GPU ``block`` caps the kernels' tiles (their tuned sizes are at most 128).
     """
     if use_pallas_kernels():
-        return FlashAttention.apply(q, k, v, block)
+        return FlashAttention.apply(q, k, v, block, False)  # compiled kernels (interpret=False)
     return CausalAttention.apply(q, k, v, block)
 
 
