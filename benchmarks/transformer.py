@@ -444,6 +444,32 @@ def run_gpu_configuration(context, dtype_name, args, deadline):
     return rows, notes, records
 
 
+def check_flash_kernels(shape=(4, 8, 1024, 64)):
+    """The Pallas kernels' output and gradients against float32 dense attention, as relative errors (a line)."""
+    import pallas_attention as pa
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=shape).astype(np.float32) for _ in range(4)]
+
+    def output_and_gradients(attention):
+        def run(q, k, v, cotangent):
+            out, pullback = jax.vjp(attention, q, k, v)
+            return (out, *pullback(cotangent.astype(out.dtype)))
+        return jax.jit(run)
+
+    with jax.default_matmul_precision("highest"):
+        want = output_and_gradients(pa.reference_attention)(*arrays)
+    parts = []
+    for dtype in (jnp.bfloat16, jnp.float32):
+        got = output_and_gradients(pa.flash_attention)(
+            *(jnp.asarray(a, dtype) for a in arrays))
+        errors = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)) / jnp.max(jnp.abs(w)))
+                  for g, w in zip(got, want, strict=True)]
+        parts.append(f"{jnp.dtype(dtype).name} " + "/".join(f"{e:.1e}" for e in errors))
+    return (f"kernel check {shape}: largest error of out/dq/dk/dv relative to the largest entry of float32 "
+            f"dense attention's: " + "; ".join(parts))
+
+
 GPU_HEADER = ["candidate", "step", "tokens/s", "/ autodiff", "/ vjpkit", "/ cuDNN", "/ A (A/A)",
               "memory", "attention residuals / layer"]
 
@@ -508,6 +534,10 @@ def gpu_main(args):
         f"model: {GPU_CONFIG.layers} layers, width {GPU_CONFIG.width}, {GPU_CONFIG.heads} heads, "
         f"{GPU_TOKENS} tokens a step, one AdamW step; median of {args.steps} interleaved steps",
     ]
+    try:
+        preamble.append(check_flash_kernels() if devices[0].platform == "gpu" else check_flash_kernels((1, 2, 64, 16)))
+    except Exception as error:  # the timings still run; vjpkit's row will say what failed
+        preamble.append(f"kernel check: failed: {first_line(error)}")
     for line in preamble:
         print(line)
     deadline = START + args.budget_s
@@ -526,7 +556,10 @@ def gpu_main(args):
             sections.append((title, [], [note]))
             continue
         began = time.perf_counter()
-        rows, notes, found = run_gpu_configuration(context, dtype_name, args, deadline)
+        try:
+            rows, notes, found = run_gpu_configuration(context, dtype_name, args, deadline)
+        except Exception as error:  # while timing: the other configurations still run
+            rows, notes, found = [], [f"failed: {first_line(error)}"], []
         last = time.perf_counter() - began
         notes.append(f"this configuration took {last:.0f} s (compiling included)")
         print_table(title, GPU_HEADER, rows)
