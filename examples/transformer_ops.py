@@ -10,6 +10,9 @@ where autodiff keeps more than the backward pass needs.
   v, the output and one log-sum-exp per row, and the backward recomputes the
   probabilities one block of keys at a time (``lax.scan``), so it never holds
   more than a (T, block) slice of them. It has a ``jvp`` too.
+  ``causal_attention`` runs it on CPUs; on a GPU it runs ``FlashAttention``
+  (pallas_attention.py) instead: the same contract, its forward and backward
+  Pallas kernels (Triton), a GPU's scan being many small kernels.
 * ``LayerNorm``: saves the mean and reciprocal standard deviation of each row
   (two floats per row) instead of the normalized activations.
 * ``GELU`` (tanh approximation, as GPT-2): saves its input only; the
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from pallas_attention import FlashAttention
 
 import vjpkit
 
@@ -202,7 +206,21 @@ class SoftmaxCrossEntropy(vjpkit.Function):
         return (probs - one_hot) * (g / logits.shape[0]), None
 
 
-causal_attention = CausalAttention.apply
+def use_pallas_kernels():
+    """Whether ``causal_attention`` runs the Pallas kernels: on a GPU backend (read when traced)."""
+    return jax.default_backend() == "gpu"
+
+
+def causal_attention(q, k, v, block=128):
+    """Causal attention: ``FlashAttention``'s Pallas kernels on a GPU, ``CausalAttention``'s ``lax.scan`` elsewhere.
+
+    On a GPU ``block`` caps the kernels' tiles (their tuned sizes are at most 128).
+    """
+    if use_pallas_kernels():
+        return FlashAttention.apply(q, k, v, block, False)  # compiled kernels (interpret=False)
+    return CausalAttention.apply(q, k, v, block)
+
+
 layer_norm = LayerNorm.apply
 gelu = GELU.apply
 softmax_cross_entropy = SoftmaxCrossEntropy.apply
@@ -344,7 +362,7 @@ def gradcheck_ops(seed=0):
     rng = np.random.default_rng(seed)
     q, k, v = (rng.normal(size=(2, 8, 3)) for _ in range(3))
     checks = {
-        "CausalAttention": (lambda q, k, v: causal_attention(q, k, v, 4), (q, k, v)),
+        "CausalAttention": (lambda q, k, v: CausalAttention.apply(q, k, v, 4), (q, k, v)),
         "LayerNorm": (layer_norm, (rng.normal(size=(3, 5)), rng.normal(size=5), rng.normal(size=5))),
         "GELU": (gelu, (rng.normal(size=(3, 4)),)),
         "SoftmaxCrossEntropy": (softmax_cross_entropy, (rng.normal(size=(4, 6)), np.array([0, 5, 2, 1]))),

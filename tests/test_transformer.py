@@ -222,13 +222,15 @@ def test_data_parallel_run_over_two_devices_ends_at_the_single_device_loss(tiny_
     np.testing.assert_allclose(val_losses(result.stdout), val_losses(tiny_run[0]), rtol=1e-4)
 
 
-def test_benchmark_pytorch_model_is_the_vjpkit_model(monkeypatch):
+@pytest.mark.parametrize("flavour", ["originals", "sdpa"])
+def test_benchmark_pytorch_model_is_the_vjpkit_model(monkeypatch, flavour):
     pytest.importorskip("torch")
     monkeypatch.syspath_prepend(str(EXAMPLES_DIR.parent / "benchmarks"))
     import transformer as benchmark
 
     config = TINY
-    loss_fn, params, tokens, targets = benchmark.torch_model(config)
+    # "sdpa": torch.nn.functional's layer norm, GELU, scaled_dot_product_attention and cross-entropy (--device gpu).
+    loss_fn, params, tokens, targets = benchmark.torch_model(config, flavour=flavour)
     loss = loss_fn(params, tokens, targets)
     loss.backward()
     jax_params = train_transformer.init_params(jax.random.key(0), config)
@@ -236,3 +238,13 @@ def test_benchmark_pytorch_model_is_the_vjpkit_model(monkeypatch):
     np.testing.assert_allclose(loss.item(), want, rtol=1e-5)
     for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(got.grad.numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_benchmark_refuses_device_gpu_without_a_gpu(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES_DIR.parent / "benchmarks"))
+    import transformer as benchmark
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # what --device gpu sets; restored after
+    monkeypatch.setattr(sys, "argv", ["transformer.py", "--device", "gpu"])
+    with pytest.raises(SystemExit, match=r"--device gpu: JAX's default device is cpu, not a GPU \(--allow-cpu"):
+        benchmark.main()
