@@ -829,7 +829,10 @@ class _ValueDependentShapes:
         rows = _growing_rows(self.torch, func, args, kwargs)
         if rows is None:
             return out
-        name = self.torch.overrides.resolve_name(self.calls[-1]) if self.calls else None
+        call = self.calls[-1] if self.calls else None
+        name = self.torch.overrides.resolve_name(call) if call is not None else None
+        if name and getattr(self.torch, name.rsplit(".", 1)[-1], None) is call:  # torch.functional.unique
+            name = "torch." + name.rsplit(".", 1)[-1]
         name = name or f"aten::{func.overloadpacket.__name__}"
         if func.overloadpacket.__name__ == "index":
             name += " with a boolean mask"
