@@ -51,6 +51,8 @@ from ._function import Function
 from ._host import _pure_callback
 from ._once import call_without_derivative, once_differentiable
 from ._outputs import is_differentiable_dtype
+from ._torch_original import Origin, leaf_names, packing_extra_keywords
+from ._torch_shapes import FIXED_SHAPES, infer_outputs
 from ._tree import Partition, is_array, partition
 
 __all__ = ["from_torch"]
@@ -151,7 +153,7 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: boo
             grad_params = []
         if not any(p.kind is p.VAR_POSITIONAL for p in grad_params):
             grad_names = tuple(p.name for p in grad_params)
-    origin = _Origin(
+    origin = Origin(
         torch=torch,
         name=name,
         call=cls.apply,
@@ -171,7 +173,7 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: boo
 
 def _from_callable(torch: Any, fn: Callable, copy_inputs: bool, reentrant: bool) -> Callable:
     name = getattr(fn, "__name__", type(fn).__name__).replace("<lambda>", "lambda")
-    origin = _Origin(
+    origin = Origin(
         torch=torch,
         name=name,
         call=fn,
@@ -207,95 +209,11 @@ def is_torch_once_differentiable(backward: Any) -> bool:
             and code.co_filename.replace("\\", "/").endswith("torch/autograd/function.py"))
 
 
-class _Unset:
-    """The default of every defaulted parameter in the generated signature: not passed by the caller."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<not passed>"
-
-
-# The caller's own arguments reach the original, and no others: ``PScan.apply(A, X)``, not
-# ``PScan.apply(A, X, None)``, whose backward would then owe torch one gradient more.
-_UNSET = _Unset()
-
-
-class _Origin:
-    """The original: how to call it, and how to name it in errors."""
-
-    def __init__(self, *, torch: Any, name: str, call: Callable, forward_name: str, backward_name: str,
-                 params: list, copy_inputs: bool, reentrant: bool, batching_rule: bool, has_jvp: bool,
-                 once: bool, grad_names: tuple = ()):
-        self.torch = torch
-        self.name = name
-        self.call = call
-        self.forward_name = forward_name
-        self.backward_name = backward_name
-        self.params = params
-        # **kwargs becomes one keyword-only argument holding a dict of the extra keywords.
-        self.var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
-        self.forward_params = [
-            p.replace(kind=p.KEYWORD_ONLY, default=_UNSET) if p.kind is p.VAR_KEYWORD
-            else p if p.default is p.empty else p.replace(default=_UNSET)
-            for p in params
-        ]
-        self.keyword_only = tuple(p.name for p in self.forward_params if p.kind is p.KEYWORD_ONLY)
-        self.positional = tuple(p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-        self.var_positional = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
-        self.grad_names = grad_names  # the names of the class's backward's parameters, after ctx
-        self.copy_inputs = copy_inputs
-        self.reentrant = reentrant  # gradients by .backward() without inputs, not torch.autograd.grad
-        self.batching_rule = batching_rule
-        self.has_jvp = has_jvp  # whether torch's forward AD can run the original
-        self.once = once  # whether the original's backward is once_differentiable
-
-    def arguments(self, values: Sequence[Any]) -> tuple[tuple, dict]:
-        """The original's call for the bound values: what the caller passed, as it passed it.
-
-        Positional values up to the first one not passed go by position, later
-        ones by name; an unpassed one is left to the original's own default.
-        """
-        n = len(values) - len(self.keyword_only)
-        args: list = []
-        kwargs: dict = {}
-        gap = False
-        for p, value in zip(self.positional, values, strict=False):
-            if value is _UNSET:
-                gap = True
-            elif gap:
-                kwargs[p.name] = value
-            else:
-                args.append(value)
-        args.extend(values[len(self.positional):n])  # *args: every positional parameter was passed
-        for name, value in zip(self.keyword_only, values[n:], strict=True):
-            if value is _UNSET:
-                continue
-            if name == self.var_keyword:
-                kwargs.update(value)
-            else:
-                kwargs[name] = value
-        return tuple(args), kwargs
-
-    def value_names(self, n_values: int) -> tuple[str, ...]:
-        """The parameter name of each bound value (``args[0]``, ... for ``*args``)."""
-        n_extra = n_values - len(self.positional) - len(self.keyword_only)
-        extra = tuple(f"{self.var_positional}[{i}]" for i in range(n_extra))
-        return (*(p.name for p in self.positional), *extra, *self.keyword_only)
-
-    def grad_output_names(self, n_outputs: int) -> tuple[str, ...]:
-        """What each output's cotangent is called where the original's backward receives it."""
-        names = tuple(f"grad_output {k}" if n_outputs > 1 else "grad_output" for k in range(n_outputs))
-        if len(self.grad_names) == n_outputs:
-            names = tuple(f"{n} ({g})" for n, g in zip(names, self.grad_names, strict=True))
-        return names
-
-
 # ---------------------------------------------------------------------------
 # Level 0: a vjpkit Function whose forward calls the original.
 
 
-def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None) -> Any:
+def _level_zero_class(origin: Origin, *, differentiable: bool, doc: str | None) -> Any:
     # Per static part and (shape, dtype) of each array: torch's output kinds depend on nothing else
     # (the dtypes are JAX's canonical ones, so x64 is in them).
     programs: dict[Any, _Program] = _caches.table()
@@ -307,7 +225,7 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None)
         key = (layout, kinds)
         program = programs.get(key)
         if program is None:
-            program = programs[key] = _Program.original(origin, layout, kinds, _leaf_names(origin, layout))
+            program = programs[key] = _Program.original(origin, layout, kinds, leaf_names(origin, layout))
         return program, arrays
 
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
@@ -356,34 +274,11 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None)
         namespace["jvp"] = staticmethod(jvp)
     cls: Any = type(origin.name, (Function,), namespace)
     if origin.var_keyword is not None:
-        cls.apply = staticmethod(_packing_extra_keywords(origin.params, origin.var_keyword, cls.apply))
+        cls.apply = staticmethod(packing_extra_keywords(origin.params, origin.var_keyword, cls.apply))
     return cls
 
 
-def _packing_extra_keywords(params: list, var_keyword: str, apply: Callable) -> Callable:
-    """``apply`` for an original taking ``**kwargs``: the keywords it does not name travel as one dict."""
-    named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-
-    def packing_apply(*args: Any, **kwargs: Any) -> Any:
-        extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in named}
-        if extra:
-            kwargs[var_keyword] = extra
-        return apply(*args, **kwargs)
-
-    return packing_apply
-
-
-def _leaf_names(origin: _Origin, layout: Partition) -> tuple[str, ...]:
-    """The name of each array argument, as the caller wrote it: ``x``, ``args[1]``, ``kwargs['w']``."""
-    values = jax.tree_util.tree_unflatten(layout.treedef, range(layout.treedef.num_leaves))
-    names = origin.value_names(len(values))
-    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(values)[0]]
-    if len(paths) != layout.treedef.num_leaves:  # pragma: no cover - a pytree node that flattens differently
-        return tuple(f"its input {k}" for k in range(len(layout.dynamic)))
-    return tuple(f"its input {names[paths[i][0].idx]}{jax.tree_util.keystr(paths[i][1:])}" for i in layout.dynamic)
-
-
-def _refuse_torch_tensors(origin: _Origin, values: tuple) -> None:
+def _refuse_torch_tensors(origin: Origin, values: tuple) -> None:
     """A torch tensor among the arguments would be a static one, handed as is to every run of the original."""
     for k, value in enumerate(values):
         if any(isinstance(leaf, origin.torch.Tensor) for leaf in jax.tree_util.tree_leaves(value)):
@@ -405,7 +300,7 @@ class _Program:
     input and output, known while JAX traces.
     """
 
-    def __init__(self, origin: _Origin, method: str, run: Callable, in_kinds: tuple, out_kinds: tuple,
+    def __init__(self, origin: Origin, method: str, run: Callable, in_kinds: tuple, out_kinds: tuple,
                  in_names: tuple):
         self.origin = origin
         self.method = method  # what errors name: "TExp.forward", "TExp.backward", ...
@@ -421,7 +316,7 @@ class _Program:
         self._vjps: dict[tuple, Any] = _caches.table()
 
     @classmethod
-    def original(cls, origin: _Origin, layout: Partition, in_kinds: tuple, in_names: tuple) -> _Program:
+    def original(cls, origin: Origin, layout: Partition, in_kinds: tuple, in_names: tuple) -> _Program:
         """Level 0: the original, called with the static arguments in place."""
         torch = origin.torch
 
@@ -447,7 +342,7 @@ class _Program:
             return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
         program = cls(origin, origin.forward_name, run, in_kinds, (), in_names)
-        out_leaves, out_treedef = _infer_outputs(program, run, out_info)
+        out_leaves, out_treedef = infer_outputs(program, run, out_info)
         tensor_at = [k for k, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
         program.out_kinds = tuple(_torch_kind(out_leaves[k]) for k in tensor_at)
         program.differentiable_out = tuple(is_differentiable_dtype(d) for _, d in program.out_kinds)
@@ -655,7 +550,7 @@ class _Program:
             return message + f"where JAX expects shape {want}."
         seen = f" ({self.value_dependent} ran)" if self.value_dependent else ""
         return (message + f"but of shape {want} on the values vjpkit ran it on to learn its output shapes: "
-                f"its output shapes depend on its inputs' values{seen}. " + _FIXED_SHAPES)
+                f"its output shapes depend on its inputs' values{seen}. " + FIXED_SHAPES)
 
 
 def _torch_gradients(torch: Any, pairs: list, targets: list, create_graph: bool, reentrant: bool) -> list:
@@ -724,200 +619,9 @@ def _numpy_dtype(torch_dtype: Any) -> np.dtype:
     return np.dtype({"bool": "bool_", "complex64": "complex64", "complex128": "complex128"}.get(name, name))
 
 
-def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[list, Any]:
-    """forward's output structure, shapes and dtypes: run on meta tensors, else on sample values.
-
-    Meta tensors cost nothing but fail on data-dependent code (``.item()``,
-    ``if torch.any(...)``, NumPy); then forward runs on seeded sample values
-    (floats uniform in [0.5, 1.5], else in [-1.5, 1.5]; zero integers).
-
-    An operation whose output shape depends on values (``nonzero``,
-    ``masked_select``, a boolean mask index, ``unique``) makes the shapes
-    learned from samples worthless where they reach an output: forward then
-    runs once more with each such result one row longer, and an output shape
-    that follows is refused here, naming the operation. (Every callback also
-    checks its outputs' shapes against these, ``_Program._to_numpy``.)
-    """
-    torch = program.origin.torch
-    meta = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device="meta") for shape, dtype in program.in_kinds]
-    try:
-        # Warnings about these made-up calls (torch's checkpoint: "None of the inputs have
-        # requires_grad=True") would surface at trace time for calls the user never made.
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run(meta, False)
-    except Exception:
-        # Positive values first (steps, scales, norms), then both signs; torch's error from the last.
-        for low in (0.5, -1.5):
-            out_info.clear()
-            rng = np.random.default_rng(0)
-            samples = [torch.from_dlpack(_sample(rng, shape, dtype, low)) for shape, dtype in program.in_kinds]
-            watch = _ValueDependentShapes(torch)
-            try:
-                with torch.no_grad(), warnings.catch_warnings(), watch:
-                    warnings.simplefilter("ignore")
-                    program._guarded(run, samples, False)
-                break
-            except Exception:
-                if low != -1.5:
-                    continue
-                raise
-        if watch.seen:
-            program.value_dependent = ", ".join(watch.seen)
-            _refuse_value_dependent_shapes(program, run, samples, out_info)
-    leaves = out_info["leaves"]
-    treedef = out_info["treedef"]
-    out_info.pop("leaves")
-    return leaves, treedef
-
-
-_FIXED_SHAPES = (
-    "JAX fixes every array's shape when it traces, so vjpkit.from_torch cannot run it: return a "
-    "fixed shape instead (torch.where(mask, x, 0) for x[mask] or torch.masked_select; indices "
-    "padded to a fixed count for torch.nonzero, as jnp.nonzero(x, size=n) does in JAX)."
-)
-
-
-def _refuse_value_dependent_shapes(program: _Program, run: Callable, samples: list, out_info: dict) -> None:
-    """Raises where an output's shape follows an operation whose output shape depends on values."""
-    torch = program.origin.torch
-    shapes = [tuple(leaf.shape) for leaf in out_info["leaves"] if isinstance(leaf, torch.Tensor)]
-    try:
-        with torch.no_grad(), warnings.catch_warnings(), _ValueDependentShapes(torch, grow=True):
-            warnings.simplefilter("ignore")
-            grown = [tuple(t.shape) for t in run(samples, False)]
-    except Exception:  # noqa: BLE001 - the longer results broke the original: each callback still checks
-        return
-    for k, (shape, other) in enumerate(zip(shapes, grown, strict=True)):
-        if shape != other:
-            raise ValueError(
-                f"{program.method} (run by vjpkit.from_torch): the shape of its output {k} depends on its "
-                f"inputs' values, through {program.value_dependent}. " + _FIXED_SHAPES
-            )
-
-
-class _ValueDependentShapes:
-    """Records the torch operations run inside it whose output shapes depend on values.
-
-    With ``grow``, each such result comes out one row longer (a row of zeros:
-    valid indices), so that a caller can see which outputs' shapes follow it.
-    Operations are named as the original called them (``torch.argwhere``, not
-    the ``aten::nonzero`` underneath).
-    """
-
-    _modes: tuple | None = None
-
-    def __init__(self, torch: Any, grow: bool = False):
-        self.torch = torch
-        self.grow = grow
-        self.seen: list[str] = []
-        self.calls: list = []  # the torch function being run, as the original called it
-        self._entered: list = []
-
-    def __enter__(self) -> _ValueDependentShapes:
-        names, shapes = self._classes(self.torch)
-        self._entered = [names(self), shapes(self)]
-        for mode in self._entered:
-            mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for mode in reversed(self._entered):
-            mode.__exit__(*exc)
-
-    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        rows = _growing_rows(self.torch, func, args, kwargs)
-        if rows is None:
-            return out
-        call = self.calls[-1] if self.calls else None
-        name = self.torch.overrides.resolve_name(call) if call is not None else None
-        if name and getattr(self.torch, name.rsplit(".", 1)[-1], None) is call:  # torch.functional.unique
-            name = "torch." + name.rsplit(".", 1)[-1]
-        name = name or f"aten::{func.overloadpacket.__name__}"
-        if func.overloadpacket.__name__ == "index":
-            name += " with a boolean mask"
-        if name not in self.seen:
-            self.seen.append(name)
-        if not self.grow or not rows:
-            return out
-        outs = list(out) if isinstance(out, tuple) else [out]
-        for k, dim in rows:
-            t = outs[k]
-            extra = list(t.shape)
-            extra[dim] = 1
-            outs[k] = self.torch.cat([t, t.new_zeros(extra)], dim)
-        return tuple(outs) if isinstance(out, tuple) else outs[0]
-
-    @classmethod
-    def _classes(cls, torch: Any) -> tuple:
-        if cls._modes is None:
-            from torch.overrides import TorchFunctionMode
-            from torch.utils._python_dispatch import TorchDispatchMode
-
-            class Names(TorchFunctionMode):
-                def __init__(self, watch: _ValueDependentShapes):
-                    super().__init__()
-                    self.watch = watch
-
-                def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-                    self.watch.calls.append(func)
-                    try:
-                        return func(*args, **(kwargs or {}))
-                    finally:
-                        self.watch.calls.pop()
-
-            class Shapes(TorchDispatchMode):
-                def __init__(self, watch: _ValueDependentShapes):
-                    super().__init__()
-                    self.watch = watch
-
-                def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-                    kwargs = kwargs or {}
-                    return self.watch.record(func, args, kwargs, func(*args, **kwargs))
-
-            cls._modes = (Names, Shapes)
-        return cls._modes
-
-
-def _growing_rows(torch: Any, func: Any, args: tuple, kwargs: dict) -> list | None:
-    """For an operation whose output shape depends on values: (output, dim) of each such size, else None."""
-    if torch.Tag.dynamic_output_shape not in getattr(func, "tags", ()):
-        return None
-    name = func.overloadpacket.__name__
-    if name == "index":  # only a boolean mask's result depends on values
-        indices = list(args[1]) if len(args) > 1 else list(kwargs.get("indices", ()))
-        used = [k for k, i in enumerate(indices) if i is not None]
-        if not any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
-            return None
-        # Advanced indices side by side keep their place in the result; apart, they go first.
-        return [(0, used[0] if used[-1] - used[0] + 1 == len(used) else 0)]
-    if name == "one_hot":
-        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-        return None if classes != -1 else [(0, -1)]
-    if name == "repeat_interleave" and kwargs.get("output_size") is not None:
-        return None
-    rows = {"nonzero": [(0, 0)], "masked_select": [(0, 0)], "bincount": [(0, 0)], "repeat_interleave": [(0, 0)],
-            "_unique": [(0, 0)], "_unique2": [(0, 0), (2, 0)], "unique_consecutive": [(0, 0), (2, 0)]}
-    if name == "unique_dim":
-        return [(0, args[1] if len(args) > 1 else kwargs.get("dim", 0)), (2, 0)]
-    return rows.get(name, [])  # another such operation: named, not grown
-
-
 def _conj(t: Any) -> Any:
     """Torch's complex gradient convention to JAX's, and back: ``vjp_jax(ct) = conj(vjp_torch(conj(ct)))``."""
     return t.conj() if t is not None and t.is_complex() else t
-
-
-def _sample(rng: np.random.Generator, shape: tuple, dtype: np.dtype, low: float) -> np.ndarray:
-    if dtype.kind in "fc":
-        return rng.uniform(low, 1.5, shape).astype(dtype)
-    return np.zeros(shape, dtype)
-
-
-def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
-    if dtype.name == "bfloat16":
-        return torch.bfloat16
-    return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 # ---------------------------------------------------------------------------
