@@ -140,9 +140,9 @@ def test_an_original_writing_into_its_input_is_refused_while_tracing():
     AddOne = vjpkit.from_torch(TorchAddOneInPlace)
     x = committed(np.zeros(3, np.float32))
     with pytest.raises(RuntimeError, match=r"TorchAddOneInPlace\.forward \(PyTorch, run by vjpkit\.from_torch\) "
-                                           r"wrote into its input 0 in place.*copy_inputs=True"):
+                                           r"wrote into its input x in place.*copy_inputs=True"):
         jax.make_jaxpr(AddOne.apply)(x)
-    with pytest.raises(RuntimeError, match="wrote into its input 0 in place"):
+    with pytest.raises(RuntimeError, match="wrote into its input x in place"):
         AddOne.apply(x)
     np.testing.assert_array_equal(x, np.zeros(3))
 

@@ -38,8 +38,8 @@ CORE = [
     "_function", "_dispatch", "_program", "_runner", "_host", "_ctx", "_outputs", "_tie", "_linear_call",
     "_anomaly", "_once", "_args", "_sharding", "_tree", "_caches", "_jax_internals",
 ]
-# Built on the core:
-OUTSIDE_THE_CORE = {"_from_torch.py", "_torch_device.py", "_torch_trace.py", "_torch_ops.py", "cpp_extension.py"}
+OUTSIDE_THE_CORE = {"_from_torch.py", "_torch_device.py", "_torch_original.py", "_torch_shapes.py", "_torch_trace.py",
+                    "_torch_ops.py", "cpp_extension.py"}  # built on the core
 
 
 def source_files(name):

@@ -53,6 +53,8 @@ from ._function import Function
 from ._once import call_without_derivative, once_differentiable
 from ._outputs import is_differentiable_dtype
 from ._torch_device import as_output, keeps_tensors, torch_callback
+from ._torch_original import Origin, leaf_names, packing_extra_keywords
+from ._torch_shapes import FIXED_SHAPES, infer_outputs
 from ._tree import Partition, is_array, partition
 
 __all__ = ["from_torch"]
@@ -145,7 +147,15 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: boo
     if not new_style:
         params = params[1:]  # forward(ctx, ...)
     backward = cls.backward if defines(cls, base, "backward") else None
-    origin = _Origin(
+    grad_names: tuple = ()
+    if backward is not None:
+        try:
+            grad_params = list(inspect.signature(backward).parameters.values())[1:]  # backward(ctx, ...)
+        except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+            grad_params = []
+        if not any(p.kind is p.VAR_POSITIONAL for p in grad_params):
+            grad_names = tuple(p.name for p in grad_params)
+    origin = Origin(
         torch=torch,
         name=name,
         call=cls.apply,
@@ -158,13 +168,14 @@ def _from_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: boo
         batching_rule=new_style and (defines(cls, base, "vmap") or bool(getattr(cls, "generate_vmap_rule", False))),
         has_jvp=defines(cls, base, "jvp"),
         once=backward is not None and is_torch_once_differentiable(backward),
+        grad_names=grad_names,
     )
     return _level_zero_class(origin, differentiable=backward is not None, doc=cls.__doc__)
 
 
 def _from_callable(torch: Any, fn: Callable, copy_inputs: bool, reentrant: bool) -> Callable:
     name = getattr(fn, "__name__", type(fn).__name__).replace("<lambda>", "lambda")
-    origin = _Origin(
+    origin = Origin(
         torch=torch,
         name=name,
         call=fn,
@@ -200,31 +211,11 @@ def is_torch_once_differentiable(backward: Any) -> bool:
             and code.co_filename.replace("\\", "/").endswith("torch/autograd/function.py"))
 
 
-class _Origin:
-    """The original: how to call it, and how to name it in errors."""
-
-    def __init__(self, *, torch: Any, name: str, call: Callable, forward_name: str, backward_name: str,
-                 params: list, copy_inputs: bool, reentrant: bool, batching_rule: bool, has_jvp: bool,
-                 once: bool):
-        self.torch = torch
-        self.name = name
-        self.call = call
-        self.forward_name = forward_name
-        self.backward_name = backward_name
-        self.params = params
-        self.keyword_only = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
-        self.copy_inputs = copy_inputs
-        self.reentrant = reentrant  # gradients by .backward() without inputs, not torch.autograd.grad
-        self.batching_rule = batching_rule
-        self.has_jvp = has_jvp  # whether torch's forward AD can run the original
-        self.once = once  # whether the original's backward is once_differentiable
-
-
 # ---------------------------------------------------------------------------
 # Level 0: a vjpkit Function whose forward calls the original.
 
 
-def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None) -> Any:
+def _level_zero_class(origin: Origin, *, differentiable: bool, doc: str | None) -> Any:
     # Per static part and (shape, dtype) of each array: torch's output kinds depend on nothing else
     # (the dtypes are JAX's canonical ones, so x64 is in them).
     programs: dict[Any, _Program] = _caches.table()
@@ -236,7 +227,7 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None)
         key = (layout, kinds)
         program = programs.get(key)
         if program is None:
-            program = programs[key] = _Program.original(origin, layout, kinds)
+            program = programs[key] = _Program.original(origin, layout, kinds, leaf_names(origin, layout))
         return program, arrays
 
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
@@ -276,17 +267,20 @@ def _level_zero_class(origin: _Origin, *, differentiable: bool, doc: str | None)
     namespace: dict[str, Any] = {"__doc__": doc, "__module__": __name__, "forward": staticmethod(forward),
                                  "_vjpkit_from_torch": True}
     forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_ONLY), *origin.params]
+        [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_ONLY), *origin.forward_params]
     )
     forward.__name__ = forward.__qualname__ = f"{origin.name}.forward"
     if differentiable:
         namespace["backward"] = staticmethod(once_differentiable(backward) if origin.once else backward)
     if origin.has_jvp:
         namespace["jvp"] = staticmethod(jvp)
-    return type(origin.name, (Function,), namespace)
+    cls: Any = type(origin.name, (Function,), namespace)
+    if origin.var_keyword is not None:
+        cls.apply = staticmethod(packing_extra_keywords(origin.params, origin.var_keyword, cls.apply))
+    return cls
 
 
-def _refuse_torch_tensors(origin: _Origin, values: tuple) -> None:
+def _refuse_torch_tensors(origin: Origin, values: tuple) -> None:
     """A torch tensor among the arguments would be a static one, handed as is to every run of the original."""
     for k, value in enumerate(values):
         if any(isinstance(leaf, origin.torch.Tensor) for leaf in jax.tree_util.tree_leaves(value)):
@@ -308,12 +302,15 @@ class _Program:
     input and output, known while JAX traces.
     """
 
-    def __init__(self, origin: _Origin, method: str, run: Callable, in_kinds: tuple, out_kinds: tuple):
+    def __init__(self, origin: Origin, method: str, run: Callable, in_kinds: tuple, out_kinds: tuple,
+                 in_names: tuple):
         self.origin = origin
         self.method = method  # what errors name: "TExp.forward", "TExp.backward", ...
         self.run = run
         self.in_kinds = in_kinds
         self.out_kinds = out_kinds
+        self.in_names = in_names  # what errors call each input: "its input x", "grad_output (g)", ...
+        self.value_dependent = ""  # ops seen while inferring out_kinds whose output shapes depend on values
         self.differentiable_out = tuple(is_differentiable_dtype(d) for _, d in out_kinds)
         self.out_layout: Partition = partition(list(range(len(out_kinds))), lambda _: True)[0]
         self.single_output = False
@@ -321,14 +318,12 @@ class _Program:
         self._vjps: dict[tuple, Any] = _caches.table()
 
     @classmethod
-    def original(cls, origin: _Origin, layout: Partition, in_kinds: tuple) -> _Program:
+    def original(cls, origin: Origin, layout: Partition, in_kinds: tuple, in_names: tuple) -> _Program:
         """Level 0: the original, called with the static arguments in place."""
         torch = origin.torch
 
         def rebuild(tensors: Sequence[Any]) -> tuple[tuple, dict]:
-            values = layout.combine(list(tensors))
-            n = len(values) - len(origin.keyword_only)
-            return tuple(values[:n]), dict(zip(origin.keyword_only, values[n:], strict=True))
+            return origin.arguments(layout.combine(list(tensors)))
 
         out_info: dict[str, Any] = {}
 
@@ -348,8 +343,8 @@ class _Program:
                 )
             return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
-        program = cls(origin, origin.forward_name, run, in_kinds, ())
-        out_leaves, out_treedef = _infer_outputs(program, run, out_info)
+        program = cls(origin, origin.forward_name, run, in_kinds, (), in_names)
+        out_leaves, out_treedef = infer_outputs(program, run, out_info)
         tensor_at = [k for k, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
         program.out_kinds = tuple(_torch_kind(out_leaves[k]) for k in tensor_at)
         program.differentiable_out = tuple(is_differentiable_dtype(d) for _, d in program.out_kinds)
@@ -410,7 +405,7 @@ class _Program:
         n = len(inner.in_kinds)
 
         def run(tensors: Sequence[Any], create_graph: bool) -> list:
-            xs, cts = list(tensors[:n]), list(tensors[n:])
+            xs, cts = list(tensors[:n]), [_conj(c) for c in tensors[n:]]
             for k, w in enumerate(wanted):
                 if w and not xs[k].requires_grad:
                     # In place, not on a detached copy: that would drop a forward-mode tangent.
@@ -421,13 +416,20 @@ class _Program:
             with_cotangent = [o for o, g in zip(differentiable, given, strict=True) if g]
             pairs = [(o, c) for o, c in zip(with_cotangent, cts, strict=True) if o is not None and o.requires_grad]
             targets = [x for x, w in zip(xs, wanted, strict=True) if w]
-            return _torch_gradients(torch, pairs, targets, create_graph, origin.reentrant)
+            return [_conj(g) for g in _torch_gradients(torch, pairs, targets, create_graph, origin.reentrant)]
 
         diff_out = [k for k, d in zip(inner.out_kinds, inner.differentiable_out, strict=True) if d]
         in_kinds = (*inner.in_kinds, *(k for k, g in zip(diff_out, given, strict=True) if g))
         out_kinds = tuple(k for k, w in zip(inner.in_kinds, wanted, strict=True) if w)
-        method = origin.backward_name if inner.method == origin.forward_name else f"{inner.method} (differentiated)"
-        return cls(origin, method, run, in_kinds, out_kinds)
+        first = inner.method == origin.forward_name
+        method = origin.backward_name if first else f"{inner.method} (differentiated)"
+        if first:
+            ct_names = origin.grad_output_names(len(inner.out_kinds))
+        else:
+            ct_names = tuple(f"the cotangent of {inner.method}'s output {k}" for k in range(len(inner.out_kinds)))
+        diff_names = [m for m, d in zip(ct_names, inner.differentiable_out, strict=True) if d]
+        in_names = (*inner.in_names, *(m for m, g in zip(diff_names, given, strict=True) if g))
+        return cls(origin, method, run, in_kinds, out_kinds, in_names)
 
     def jvp(self, arrays: Sequence[Any], tangents: Sequence[Any]) -> list:
         """The output tangents, by torch's forward-mode AD (the class's own ``jvp``)."""
@@ -453,14 +455,15 @@ class _Program:
         batch = self._batch(xs)
         if batch:
             return self._host_batched(xs, batch)
-        tensors = self._tensors(xs)
-        versions = [t._version for t in tensors]
+        views = [torch.from_dlpack(x) for x in xs]  # JAX's buffers
+        versions = [t._version for t in views]
+        tensors = [t.clone() for t in views] if self.origin.copy_inputs else views
         needs_grad = any(wanted)
         if needs_grad:
             tensors = [t.requires_grad_(True) if w else t for t, w in zip(tensors, wanted, strict=True)]
         with torch.enable_grad() if needs_grad else torch.no_grad():
             outs = self._guarded(self.run, tensors, False)
-        self._check_unchanged(tensors, versions)
+        self._check_unchanged(views, versions)
         return self._to_numpy(outs)
 
     def _host_batched(self, xs: Sequence[Any], batch: tuple) -> list:
@@ -528,20 +531,31 @@ class _Program:
         return (f"\n{self.origin.name} needs a full .backward() (a reentrant backward, as in PyTorch's "
                 f"checkpoint): pass reentrant=True to vjpkit.from_torch.")
 
-    def _check_unchanged(self, tensors: list, versions: list) -> None:
-        for k, (t, v) in enumerate(zip(tensors, versions, strict=True)):
+    def _check_unchanged(self, views: list, versions: list) -> None:
+        for name, t, v in zip(self.in_names, views, versions, strict=True):
             if t._version != v:
                 raise RuntimeError(
-                    f"{self.method} (PyTorch, run by vjpkit.from_torch) wrote into its input {k} in place, "
+                    f"{self.method} (PyTorch, run by vjpkit.from_torch) wrote into {name} in place, "
                     "which shares its memory with a JAX array. Pass copy_inputs=True to vjpkit.from_torch "
                     "so that torch works on copies."
                 )
 
     def _to_numpy(self, outs: Sequence[Any], kinds: Sequence[tuple] | None = None) -> list:
+        kinds = self.out_kinds if kinds is None else kinds
+        for k, (o, (shape, _)) in enumerate(zip(outs, kinds, strict=True)):
+            if o is not None and tuple(o.shape) != shape:
+                raise ValueError(self._shape_changed(k, tuple(o.shape), shape))
         if keeps_tensors():  # written into XLA's output buffers, on the device (_torch_device.py)
             return [as_output(o) for o in outs]
-        kinds = self.out_kinds if kinds is None else kinds
         return [_numpy_of(self.origin.torch, o, shape, dtype) for o, (shape, dtype) in zip(outs, kinds, strict=True)]
+
+    def _shape_changed(self, k: int, got: tuple, want: tuple) -> str:
+        message = f"{self.method} (PyTorch, run by vjpkit.from_torch) returned output {k} of shape {got}, "
+        if self.method != self.origin.forward_name:
+            return message + f"where JAX expects shape {want}."
+        seen = f" ({self.value_dependent} ran)" if self.value_dependent else ""
+        return (message + f"but of shape {want} on the values vjpkit ran it on to learn its output shapes: "
+                f"its output shapes depend on its inputs' values{seen}. " + FIXED_SHAPES)
 
 
 def _torch_gradients(torch: Any, pairs: list, targets: list, create_graph: bool, reentrant: bool) -> list:
@@ -594,8 +608,6 @@ def _numpy_of(torch: Any, t: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
         a = np.from_dlpack(t.contiguous().view(torch.int16)).view(_numpy_dtype(t.dtype))
     else:
         a = np.from_dlpack(t)
-    if a.shape != shape:
-        a = np.broadcast_to(a, shape)
     return a if a.dtype == dtype else a.astype(dtype)
 
 
@@ -612,53 +624,9 @@ def _numpy_dtype(torch_dtype: Any) -> np.dtype:
     return np.dtype({"bool": "bool_", "complex64": "complex64", "complex128": "complex128"}.get(name, name))
 
 
-def _infer_outputs(program: _Program, run: Callable, out_info: dict) -> tuple[list, Any]:
-    """forward's output structure, shapes and dtypes: run on meta tensors, else on sample values.
-
-    Meta tensors cost nothing but fail on data-dependent code (``.item()``,
-    ``if torch.any(...)``, NumPy); then forward runs on seeded sample values
-    (floats uniform in [0.5, 1.5], else in [-1.5, 1.5]; zero integers).
-    """
-    torch = program.origin.torch
-    meta = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device="meta") for shape, dtype in program.in_kinds]
-    try:
-        # Warnings about these made-up calls (torch's checkpoint: "None of the inputs have
-        # requires_grad=True") would surface at trace time for calls the user never made.
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run(meta, False)
-    except Exception:
-        # Positive values first (steps, scales, norms), then both signs; torch's error from the last.
-        for low in (0.5, -1.5):
-            out_info.clear()
-            rng = np.random.default_rng(0)
-            samples = meta = [torch.from_dlpack(_sample(rng, shape, dtype, low)) for shape, dtype in program.in_kinds]
-            try:
-                with torch.no_grad(), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    program._guarded(run, samples, False)
-                break
-            except Exception:
-                if low != -1.5:
-                    continue
-                raise
-    program._check_unchanged(meta, [0] * len(meta))  # refused before a run could write into JAX's buffers
-    leaves = out_info["leaves"]
-    treedef = out_info["treedef"]
-    out_info.pop("leaves")
-    return leaves, treedef
-
-
-def _sample(rng: np.random.Generator, shape: tuple, dtype: np.dtype, low: float) -> np.ndarray:
-    if dtype.kind in "fc":
-        return rng.uniform(low, 1.5, shape).astype(dtype)
-    return np.zeros(shape, dtype)
-
-
-def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
-    if dtype.name == "bfloat16":
-        return torch.bfloat16
-    return torch.from_numpy(np.empty(0, dtype)).dtype
+def _conj(t: Any) -> Any:
+    """Torch's complex gradient convention to JAX's, and back: ``vjp_jax(ct) = conj(vjp_torch(conj(ct)))``."""
+    return t.conj() if t is not None and t.is_complex() else t
 
 
 # ---------------------------------------------------------------------------
