@@ -287,3 +287,42 @@ def test_static_partial_over_a_differentiated_value_names_the_class():
     message = r"_Checkpoint.forward uses a value that JAX is differentiating.*holds it in a closure passed in"
     with pytest.raises(TypeError, match=message):
         jax.grad(lambda w: _Checkpoint.apply(functools.partial(_noisy_layer, w, key=_KEYS[0]), _XS).sum())(_W)
+
+
+# A class whose backward closes over a tracer of an enclosing transformation, differentiated from outside
+# it: JAX runs backward after that trace ended, where the tracer no longer lives.
+
+
+def _noisy_sum(x, key):
+    noise = jax.random.normal(key, x.shape)
+
+    class Noisy(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return jnp.tanh(x + noise)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3.0 * g * (1 - jnp.tanh(x + noise) ** 2)  # 3 times the derivative: backward must run
+
+    return Noisy.apply(x).sum()
+
+
+def _noisy_expected(x, key):
+    return 3.0 * jax.grad(lambda x: jnp.tanh(x + jax.random.normal(key, x.shape)).sum())(x)
+
+
+@pytest.mark.xfail(strict=True, reason="a backward closing over a jit tracer, run after the jit's trace: "
+                   "TypeError: No constant handler for type DynamicJaxprTracer")
+def test_gradient_of_a_jit_of_a_class_whose_backward_closes_over_its_tracer():
+    got = jax.grad(jax.jit(_noisy_sum))(_XS, _KEYS[0])
+    np.testing.assert_allclose(got, _noisy_expected(_XS, _KEYS[0]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="a backward closing over a vmap tracer, run after the vmap's trace: "
+                   "UnexpectedTracerError")
+def test_gradient_of_a_vmap_of_a_class_whose_backward_closes_over_its_tracer():
+    got = jax.grad(lambda x: jax.vmap(_noisy_sum, (None, 0))(x, _KEYS).sum())(_XS)
+    np.testing.assert_allclose(got, sum(_noisy_expected(_XS, key) for key in _KEYS), rtol=1e-5, atol=1e-6)
