@@ -575,7 +575,13 @@ def test_grad_of_vmap_of_an_output_independent_of_x_is_the_loop():
     close(jax.grad(loss(F.apply))(XS), c, "vjpkit")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 item 3: grad of grad of a Function with a vmap staticmethod raises")
+# JAX linearizes directly (the default from JAX 0.7; the flag is gone later): it cannot linearize the
+# jax.custom_batching.custom_vmap that wraps forward, which before was differentiated by jvp and partial evaluation.
+DIRECT_LINEARIZE = bool(getattr(jax.config, "jax_use_direct_linearize", True))
+
+
+@pytest.mark.xfail(DIRECT_LINEARIZE, strict=True,
+                   reason="issue 29 item 3: grad of grad of a Function with a vmap staticmethod raises")
 def test_grad_of_grad_of_a_function_with_a_vmap_staticmethod():
     F = CLASSES["vmap_rule"]
     close(jax.grad(jax.grad(lambda x: F.apply(x, jnp.asarray(1.0))))(0.5), 2.0, "grad of grad")
