@@ -207,3 +207,122 @@ def test_function_argument_closing_over_a_vmap_tracer_under_grad():
 
     grads = jax.vmap(lambda y: jax.grad(lambda x: App.apply(lambda x: x * y, x))(2.0))(jnp.arange(3.0))
     np.testing.assert_allclose(grads, np.full(3, 6.0))
+
+
+# ---------------------------------------------------------------------------
+# A static argument holding a tracer of an enclosing transformation: the cookbook's Checkpoint with
+# functools.partial(layer, key=key) under jax.jit and jax.vmap, answered as eagerly and as the loop.
+
+
+class _Checkpoint(vjpkit.Function):
+    # docs/cookbook.md's recipe: the function called is a static argument, kept on ctx for backward.
+    @staticmethod
+    def forward(ctx, run_function, *args):
+        ctx.run_function, ctx.args = run_function, args
+        return run_function(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        outputs, pullback = jax.vjp(ctx.run_function, *ctx.args)
+        return (None, *pullback(grads if isinstance(outputs, tuple) else grads[0]))
+
+
+def _noisy_layer(w, x, key):
+    return jnp.tanh(x * w + jax.random.normal(key, x.shape))
+
+
+def _checkpointed_loss(w, x, key):
+    return _Checkpoint.apply(functools.partial(_noisy_layer, key=key), w, x).sum()
+
+
+def _plain_loss(w, x, key):
+    return _noisy_layer(w, x, key).sum()
+
+
+_W, _XS = jnp.array([0.5, -1.0, 2.0]), jnp.array([0.3, 0.2, -0.4])
+_KEYS = jax.random.split(jax.random.PRNGKey(0), 3)
+
+
+@pytest.mark.parametrize("transform", [
+    pytest.param(lambda g: g, id="eager"),
+    pytest.param(jax.jit, id="jit_of_grad"),
+])
+def test_static_partial_over_a_key_under_jit_equals_the_eager_answer(transform):
+    grad = jax.grad(_checkpointed_loss, (0, 1))
+    expected = jax.grad(_plain_loss, (0, 1))(_W, _XS, _KEYS[0])
+    np.testing.assert_allclose(transform(grad)(_W, _XS, _KEYS[0]), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["grad_of_jit", "vjp_of_jit"])
+def test_static_partial_over_a_key_differentiated_from_outside_a_jit(order):
+    # JAX differentiates the jit's program after its trace ended: the key must reach backward as an input.
+    expected = jax.grad(_plain_loss)(_W, _XS, _KEYS[0])
+    jitted = jax.jit(_checkpointed_loss)
+    got = jax.grad(jitted)(_W, _XS, _KEYS[0]) if order == "grad_of_jit" else jax.vjp(
+        lambda w: jitted(w, _XS, _KEYS[0]), _W)[1](1.0)[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", [
+    pytest.param(lambda f: f, id="vmap"),
+    pytest.param(jax.jit, id="jit_of_vmap"),
+])
+def test_static_partial_over_a_batched_key_under_vmap_equals_the_loop(transform):
+    grad = jax.grad(_checkpointed_loss, (0, 1))
+    loop = [jax.grad(_plain_loss, (0, 1))(_W, _XS, key) for key in _KEYS]
+    expected = [np.stack([g[i] for g in loop]) for i in range(2)]
+    got = transform(jax.vmap(grad, (None, None, 0)))(_W, _XS, _KEYS)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_of_a_vmap_over_keys_of_a_static_partial_equals_the_loop():
+    # Reverse mode outside the vmap: backward runs after the vmap's trace, with the batched keys as residuals.
+    got = jax.grad(lambda w: jax.vmap(_checkpointed_loss, (None, None, 0))(w, _XS, _KEYS).sum())(_W)
+    expected = sum(jax.grad(_plain_loss)(_W, _XS, key) for key in _KEYS)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_static_partial_over_a_differentiated_value_names_the_class():
+    # The partial holds w, which the outer jax.grad differentiates: Checkpoint's rules cannot give w's gradient.
+    message = r"_Checkpoint.forward uses a value that JAX is differentiating.*holds it in a closure passed in"
+    with pytest.raises(TypeError, match=message):
+        jax.grad(lambda w: _Checkpoint.apply(functools.partial(_noisy_layer, w, key=_KEYS[0]), _XS).sum())(_W)
+
+
+# A class whose backward closes over a tracer of an enclosing transformation, differentiated from outside
+# it: JAX runs backward after that trace ended, where the tracer no longer lives.
+
+
+def _noisy_sum(x, key):
+    noise = jax.random.normal(key, x.shape)
+
+    class Noisy(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return jnp.tanh(x + noise)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3.0 * g * (1 - jnp.tanh(x + noise) ** 2)  # 3 times the derivative: backward must run
+
+    return Noisy.apply(x).sum()
+
+
+def _noisy_expected(x, key):
+    return 3.0 * jax.grad(lambda x: jnp.tanh(x + jax.random.normal(key, x.shape)).sum())(x)
+
+
+@pytest.mark.xfail(strict=True, reason="a backward closing over a jit tracer, run after the jit's trace: "
+                   "TypeError: No constant handler for type DynamicJaxprTracer")
+def test_gradient_of_a_jit_of_a_class_whose_backward_closes_over_its_tracer():
+    got = jax.grad(jax.jit(_noisy_sum))(_XS, _KEYS[0])
+    np.testing.assert_allclose(got, _noisy_expected(_XS, _KEYS[0]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="a backward closing over a vmap tracer, run after the vmap's trace: "
+                   "UnexpectedTracerError")
+def test_gradient_of_a_vmap_of_a_class_whose_backward_closes_over_its_tracer():
+    got = jax.grad(lambda x: jax.vmap(_noisy_sum, (None, 0))(x, _KEYS).sum())(_XS)
+    np.testing.assert_allclose(got, sum(_noisy_expected(_XS, key) for key in _KEYS), rtol=1e-5, atol=1e-6)

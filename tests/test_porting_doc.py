@@ -68,3 +68,12 @@ def test_block_runs(ident, outcomes):
     if "jax.shard_map" in source and not hasattr(jax, "shard_map"):
         pytest.skip("this JAX lacks jax.shard_map (JAX 0.6 and later); the page shows the current API")
     assert outcomes[ident] is None, f"{ident}:\n{outcomes[ident]}"
+
+
+def test_compute_and_select_recipe_is_the_double_where_whose_second_derivative_is_finite(outcomes):
+    # A single jnp.where(mask, f(x), x) gives NaN second derivatives wherever f overflows off the mask.
+    text = DOC.read_text()
+    assert "`x = jnp.where(mask, f(jnp.where(mask, x, safe)), x)`" in text
+    assert "`x = jnp.where(mask, f(x), x)`" not in text
+    (ident,) = [i for i, _, code in BLOCKS if "def elu_like(double_where)" in code]
+    assert outcomes[ident] is None, outcomes[ident]  # its asserts: finite with two wheres, NaN with one

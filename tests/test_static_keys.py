@@ -187,3 +187,66 @@ def test_complex_static_arguments_differing_in_the_sign_of_a_zero_part_are_disti
     np.testing.assert_allclose(Reciprocal.apply(ones, complex(1.0, 1.0)), [0.5 - 0.5j, 0.5 - 0.5j])
     info = Reciprocal.cache_info()
     assert (info.programs, info.hits, info.misses) == (3, 2, 3)
+
+
+def _take():
+    """Take: x[index] for a static index (a slice, an int, or a tuple or list of them), zero-filled gradient."""
+
+    class Take(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x, index):
+            index = tuple(index) if isinstance(index, list) else index
+            ctx.index, ctx.shape = index, x.shape  # the slice travels to backward as static data
+            return x[index]
+
+        @staticmethod
+        def backward(ctx, g):
+            return jnp.zeros(ctx.shape, g.dtype).at[ctx.index].set(g), None
+
+    return Take
+
+
+M = jnp.arange(12.0).reshape(3, 4)
+
+
+@pytest.mark.parametrize("index", [
+    pytest.param(slice(1, 3), id="slice"),
+    pytest.param(slice(None, None, -2), id="slice_with_step"),
+    pytest.param((slice(0, 2), slice(1, None)), id="tuple_of_slices"),
+    pytest.param((1, slice(None, 3)), id="int_and_slice"),
+    pytest.param([slice(0, 2)], id="list_holding_a_slice"),
+])
+def test_slice_static_argument_is_keyed_by_value_eagerly_and_under_jit_and_grad(index):
+    # slice is unhashable before Python 3.12: it was refused with advice ("make slice hashable") a user cannot follow.
+    Take = _take()
+    where = tuple(index) if isinstance(index, list) else index
+    for _ in range(2):
+        np.testing.assert_array_equal(Take.apply(M, index), M[where])
+    np.testing.assert_array_equal(jax.jit(lambda m: Take.apply(m, index))(M), M[where])
+    got = jax.grad(lambda m: (Take.apply(m, index) ** 2).sum())(M)
+    np.testing.assert_array_equal(got, jax.grad(lambda m: (m[where] ** 2).sum())(M))
+    info = Take.cache_info()
+    assert (info.programs, info.misses) == (1, 1)  # an equal new slice (or container) reuses the program
+
+
+def test_slices_of_other_bounds_or_types_of_bound_get_their_own_programs():
+    Take = _take()
+    x = jnp.arange(5.0)
+    # slice(True, 3) == slice(1, 3) in Python 3.12 and later, yet x[True:3] is x[1:3] only by coincidence of value.
+    for index, expected in ((slice(1, 3), [1.0, 2.0]), (slice(1, 4), [1.0, 2.0, 3.0]), (slice(True, 3), [1.0, 2.0]),
+                            (slice(1, 3), [1.0, 2.0])):
+        np.testing.assert_array_equal(Take.apply(x, index), expected)
+    info = Take.cache_info()
+    assert (info.programs, info.hits, info.misses) == (3, 1, 3)
+
+
+def test_slice_with_an_array_bound_raises_naming_where():
+    Take = _take()
+    message = (
+        "Take.apply: static argument 'index' (slice) is keyed by its contents, so that a changed object gets a "
+        "new program; but index.stop is an array (shape (), dtype int32), which cannot be part of a compile-cache "
+        "key. Pass the array as an argument of its own (arrays are traced), or hold Python values (floats, tuples) "
+        "in the slice instead."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        Take.apply(jnp.arange(5.0), slice(0, jnp.asarray(3, jnp.int32)))

@@ -17,7 +17,7 @@ from ._caches import on_clear
 from ._outputs import Packed
 from ._program import Program, no_forward_mode
 from ._runner import Spec
-from ._tree import Partition, Unkeyable, dict_key_types, find_tracer, is_array, static_key
+from ._tree import Partition, Unkeyable, dict_key_types, find_tracer, is_array, lift_static_tracers, static_key
 
 
 class CacheInfo(NamedTuple):
@@ -269,6 +269,8 @@ class _Cache:
         Returns the route (entry, pick, run) and the call's leaves.
         """
         spec = self.spec
+        # A static argument holding a tracer of an enclosing transformation: its tracers become the program's inputs.
+        args, kwargs, lifted = lift_static_tracers(args, kwargs)
         values = spec.signature.bind(args, kwargs)
         layout, _ = spec.partition_arguments(values)
         key = ("detect_anomaly", layout.key) if anomaly else layout.key
@@ -280,7 +282,7 @@ class _Cache:
             leaves, treedef = _flatten(leaves)
             path.append((None, (treedef, *map(type, leaves))))
             # A treedef holds dict keys by equality ({True: x} is {1: x}): such calls always bind.
-            routable = not dict_key_types(treedef)
+            routable = not dict_key_types(treedef) and not lifted  # a Lifted is keyed by identity: never again
         pick = self._pick(args, kwargs, layout, len(leaves))
         with self.lock:
             self.calls += 1

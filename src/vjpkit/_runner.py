@@ -46,7 +46,16 @@ from ._outputs import (
     output_cotangents,
     pack_outputs,
 )
-from ._tree import Partition, Unkeyable, find_tracer, is_array, is_differentiable_dtype, partition
+from ._tree import (
+    Lifted,
+    Partition,
+    Unkeyable,
+    find_tracers,
+    is_array,
+    is_differentiable_dtype,
+    lifted_positions,
+    partition,
+)
 
 
 class Spec:
@@ -386,6 +395,10 @@ class Runner:
         owners = layout.owners()
         self.param_of_dynamic = tuple(owners[k][0] for k in layout.dynamic)
         self.n_params = n_values
+        # The arrays that static arguments held (tracers of an enclosing transformation, lifted out by
+        # ``_tree.lift_static_tracers``), by their index among the arrays: forward gets the values rebuilt.
+        lifted = lifted_positions(layout.treedef)
+        self.lifted = tuple(k for k, position in enumerate(layout.dynamic) if position in lifted)
         # Every argument an array: the arguments are the arrays themselves, no rebuilding.
         self.all_arrays = not layout.static and all(len(owner) == 2 and owner[1] == 0 for owner in owners) and all(
             child.num_leaves == 1 and not child.children() for child in self.param_treedefs
@@ -397,7 +410,21 @@ class Runner:
         for param, p, x in zip(self.param_of_dynamic, perturbed, arrays, strict=True):
             if p and is_differentiable_dtype(x.dtype):
                 needs[param] = True
+        if self.lifted and any(perturbed[k] and is_differentiable_dtype(arrays[k].dtype) for k in self.lifted):
+            raise self._static_argument_differentiated()
         return tuple(needs)
+
+    def _static_argument_differentiated(self) -> TypeError:
+        # What _dispatch says of a class closing over a differentiated value, for a closure passed in.
+        name = self.spec.name
+        return TypeError(
+            f"{name}.forward uses a value that JAX is differentiating but that is not an argument of "
+            f"{name}.apply: {name} holds it in a closure passed in (a function argument closing over "
+            f"parameters, {name}.apply(lambda x: f(x, w), x) under jax.grad with respect to w). {name}'s "
+            f"derivative covers apply's arguments only, so pass the value as an argument of its own "
+            f"({name}.apply(f, x, w), with f taking it) and return its gradient from {name}.backward "
+            "(its tangent from jvp)."
+        )
 
     def input_kinds(self, arrays: Any) -> tuple:
         """Per leaf of the bound arguments: None (static) or the array's type."""
@@ -421,35 +448,58 @@ class Runner:
         """forward's outputs, and what backward (and, in ``forward_mode``, jvp) needs of it (``arrays``: JAX arrays)."""
         packed, out, ctx = self._forward(arrays, needs)
         left = forwarded(ctx, forward_mode)
-        self._check_static_attributes(left.carried.attributes, method_of(ctx))
-        layout, res_arrays = _split_carried(left.carried)
+        carried = left.carried
+        if carried.attributes:
+            lifted = frozenset(id(arrays[k]) for k in self.lifted)
+            carried = carried._replace(
+                attributes=self._static_attributes(carried.attributes, method_of(ctx), lifted)
+            )
+        layout, res_arrays = _split_carried(carried)
         meta = ResidualMeta(
             layout, needs, differentiable_outputs(out, left.non_differentiable),
             tuple(_kind(a) for a in packed.arrays), left.materialize, self.input_kinds(arrays),
         )
         return packed, Residuals(res_arrays, meta)
 
-    def _check_static_attributes(self, attributes: dict, method: str) -> None:
-        """ctx attributes that travel as static data must hold no array of the trace."""
+    def _static_attributes(self, attributes: dict, method: str, lifted: frozenset) -> dict:
+        """ctx attributes, checked: those that travel as static data hold no array of the trace.
+
+        Two kinds of tracer may sit in one: an array a static argument held
+        (``lifted``: ids of forward's inputs, a ``functools.partial(layer,
+        key=key)`` rebuilt around its key), and a tracer of an enclosing
+        transformation that the class's methods close over too. They travel
+        to backward and jvp as residuals, the value rebuilt around them there
+        (``_tree.Lifted``): backward may run where the tracer no longer lives
+        (reverse mode of a ``jax.vmap``).
+        """
+        enclosing = self.spec.closure_tracers | lifted
+        checked = {}
         for name, value in attributes.items():
-            layout, _ = partition(value, is_array)
+            layout, arrays = partition(value, is_array)
+            leaves = None
             for position, leaf in layout.static:
-                found = find_tracer(leaf)
-                if found is None:
+                found = list(find_tracers(leaf))
+                if not found:
                     continue
-                inner, tracer = found
-                if id(tracer) in self.spec.closure_tracers:
-                    continue  # a tracer of the enclosing transformation, which the methods close over too
-                leaf_path = _leaf_path(value, position)
-                owner = type(leaf).__name__
-                raise TypeError(
-                    f"{self.spec.name}.{method}: ctx.{name}{leaf_path} is a {owner} holding an array of "
-                    f"shape {tuple(tracer.shape)} and dtype {tracer.dtype} (at ctx.{name}{leaf_path}{inner}). "
-                    f"A ctx attribute that is not an array or a pytree of arrays travels to backward as "
-                    "static data, fixed when JAX traces, so the arrays inside it do not. Store the array "
-                    f"itself on ctx (ctx.{name}_array = ...) or save it with ctx.save_for_backward, and "
-                    f"rebuild the {owner} in backward."
-                )
+                own = [(inner, tracer) for inner, tracer in found if id(tracer) not in enclosing]
+                if own:
+                    inner, tracer = own[0]
+                    leaf_path = _leaf_path(value, position)
+                    owner = type(leaf).__name__
+                    raise TypeError(
+                        f"{self.spec.name}.{method}: ctx.{name}{leaf_path} is a {owner} holding an array of "
+                        f"shape {tuple(tracer.shape)} and dtype {tracer.dtype} (at ctx.{name}{leaf_path}{inner}). "
+                        f"A ctx attribute that is not an array or a pytree of arrays travels to backward as "
+                        "static data, fixed when JAX traces, so the arrays inside it do not. Store the array "
+                        f"itself on ctx (ctx.{name}_array = ...) or save it with ctx.save_for_backward, and "
+                        f"rebuild the {owner} in backward."
+                    )
+                tracers = tuple({id(t): t for _, t in found}.values())
+                if leaves is None:
+                    leaves = layout.leaves(arrays)
+                leaves[position] = Lifted(leaf, tracers)
+            checked[name] = value if leaves is None else jax.tree_util.tree_unflatten(layout.treedef, leaves)
+        return checked
 
     def _forward(self, arrays: tuple, needs: tuple) -> tuple[Packed, Any, FunctionCtx]:
         spec = self.spec

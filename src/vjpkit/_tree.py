@@ -93,6 +93,8 @@ def static_key(value: Any, by_value: bool = False) -> Any:
         return (float, _DOUBLE(value))
     if kind is complex:
         return _number_key(value)
+    if kind is slice:
+        return _slice_key(value, by_value)
     try:
         hash(value)
     except TypeError:
@@ -100,6 +102,18 @@ def static_key(value: Any, by_value: bool = False) -> Any:
     if kind in _KEYED_BY_ITSELF:
         return (kind, value)
     return _typed_key(value)
+
+
+def _slice_key(value: slice, by_value: bool) -> Any:
+    """A slice's key: by the typed key of its start, stop and step.
+
+    Why: a slice is unhashable before Python 3.12, and ``slice(True, 2)``
+    equals ``slice(1, 2)`` after it; a static ``x[s]`` is common.
+    """
+    parts = (value.start, value.stop, value.step)
+    if by_value and not all(map(_is_hashable, parts)):
+        return fingerprint(value)  # a bound that is a list or an array: keyed by contents, or refused
+    return (slice, tuple(static_key(part, by_value) for part in parts))
 
 
 # Hashable types whose equal values are the same value.
@@ -157,6 +171,11 @@ def _fingerprint(root: Any, value: Any, path: str, open_ids: set) -> Any:
             )
         elif isinstance(value, (set, frozenset)):
             parts = frozenset(_fingerprint(root, v, f"{path}{{...}}", open_ids) for v in value)
+        elif kind is slice:
+            parts = tuple(
+                _fingerprint(root, getattr(value, name), f"{path}.{name}", open_ids)
+                for name in ("start", "stop", "step")
+            )
         elif _is_hashable(value):
             return static_key(value)
         elif dataclasses.is_dataclass(value):
@@ -191,17 +210,22 @@ def find_tracer(value: Any, path: str = "", limit: int = 10_000) -> tuple[str, A
     Why: such a value travels as static data, fixed when JAX traces, so an
     array of the trace inside it is gone by the time it is used.
     """
+    return next(find_tracers(value, path, limit), None)
+
+
+def find_tracers(value: Any, path: str = "", limit: int = 10_000) -> Iterator[tuple[str, Any]]:
+    """Every JAX tracer inside a static value (as ``find_tracer`` looks), each with the path to it."""
     seen: set = set()
     stack = [(value, path)]
     while stack and len(seen) < limit:
         value, path = stack.pop()
         if isinstance(value, jax.core.Tracer):
-            return path, value
+            yield path, value
+            continue
         if id(value) in seen or isinstance(value, (type, types.ModuleType, str, bytes, int, float, complex)):
             continue
         seen.add(id(value))
         stack.extend(reversed(list(_parts(value, path))))
-    return None
 
 
 def _parts(value: Any, path: str) -> Iterator[tuple[Any, str]]:
@@ -228,6 +252,178 @@ def _parts(value: Any, path: str) -> Iterator[tuple[Any, str]]:
             yield from ((getattr(value, f.name), f"{path}.{f.name}") for f in dataclasses.fields(value))
         elif hasattr(value, "__dict__"):
             yield from ((v, f"{path}.{k}") for k, v in vars(value).items())
+
+
+def replace_tracers(value: Any, replacement: dict[int, Any]) -> Any:
+    """``value`` rebuilt with each tracer whose id ``replacement`` maps replaced by what it maps to.
+
+    Looks where ``find_tracers`` looks; only what holds such a tracer is
+    rebuilt (a new ``functools.partial``, function with new cells, bound
+    method, container, or a shallow copy of an object with new fields), the
+    rest is shared. Why: a static value holding a tracer of an enclosing
+    transformation reaches backward with that tracer as a residual in its place
+    (``Lifted``).
+    """
+    return _replace(value, replacement, {})
+
+
+def _replace(value: Any, replacement: dict[int, Any], memo: dict[int, Any]) -> Any:
+    if isinstance(value, jax.core.Tracer):
+        return replacement.get(id(value), value)
+    if isinstance(value, (type, types.ModuleType, str, bytes, int, float, complex, *ARRAY_TYPES)) or value is None:
+        return value
+    if id(value) in memo:
+        return memo[id(value)]
+    memo[id(value)] = value  # a cycle back to it keeps the original
+    new = _rebuilt(value, replacement, memo)
+    memo[id(value)] = new
+    return new
+
+
+def _rebuilt(value: Any, replacement: dict[int, Any], memo: dict[int, Any]) -> Any:
+    def sub(v: Any) -> Any:
+        return _replace(v, replacement, memo)
+
+    if isinstance(value, (list, tuple)):
+        parts = [sub(v) for v in value]
+        if all(p is v for p, v in zip(parts, value, strict=True)):
+            return value
+        if isinstance(value, list):
+            return type(value)(parts) if type(value) is list else _with_fields(value, None, parts)
+        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
+    if isinstance(value, dict):
+        items = {k: sub(v) for k, v in value.items()}
+        if all(items[k] is v for k, v in value.items()):
+            return value
+        if type(value) is dict:
+            return items
+        new = copy.copy(value)
+        new.update(items)
+        return new
+    if isinstance(value, functools.partial):
+        func, args, keywords = sub(value.func), tuple(sub(v) for v in value.args), {
+            k: sub(v) for k, v in value.keywords.items()
+        }
+        if func is value.func and all(a is b for a, b in zip(args, value.args, strict=True)) and all(
+            keywords[k] is v for k, v in value.keywords.items()
+        ):
+            return value
+        return type(value)(func, *args, **keywords)
+    if isinstance(value, types.MethodType):
+        owner = sub(value.__self__)
+        return value if owner is value.__self__ else types.MethodType(value.__func__, owner)
+    if isinstance(value, types.FunctionType):
+        cells = value.__closure__ or ()
+        contents = []
+        for cell in cells:
+            try:
+                contents.append((True, cell.cell_contents))
+            except ValueError:  # an empty cell
+                contents.append((False, None))
+        new_contents = [(full, sub(v) if full else v) for full, v in contents]
+        if all(a[1] is b[1] for a, b in zip(new_contents, contents, strict=True)):
+            return value
+        closure = tuple(
+            cell if new is old else types.CellType(new)
+            for cell, (_, new), (_, old) in zip(cells, new_contents, contents, strict=True)
+        )
+        function = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, closure)
+        function.__kwdefaults__ = value.__kwdefaults__
+        function.__qualname__ = value.__qualname__
+        function.__dict__.update(value.__dict__)
+        return functools.update_wrapper(function, value, assigned=("__module__", "__doc__"), updated=())
+    if dataclasses.is_dataclass(value) and not hasattr(value, "__dict__"):
+        fields = {f.name: sub(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if all(fields[name] is getattr(value, name) for name in fields):
+            return value
+        return _with_fields(value, fields, None)
+    if hasattr(value, "__dict__"):
+        fields = {k: sub(v) for k, v in vars(value).items()}
+        if all(fields[k] is v for k, v in vars(value).items()):
+            return value
+        return _with_fields(value, fields, None)
+    return value
+
+
+def _with_fields(value: Any, fields: dict | None, items: list | None) -> Any:
+    """A shallow copy of ``value``: ``fields`` set (past a frozen dataclass's ``__setattr__``), or ``items``."""
+    new = copy.copy(value)
+    if items is not None:
+        new[:] = items
+    for name, v in (fields or {}).items():
+        object.__setattr__(new, name, v)
+    return new
+
+
+class Lifted:
+    """A static value whose tracers (of an enclosing transformation) travel as pytree leaves.
+
+    Flattens to those tracers; unflattening rebuilds the value with the
+    leaves given in their place (``replace_tracers``), so it comes back as
+    the user's object (a ``functools.partial``, a closure), not a ``Lifted``.
+    """
+
+    __slots__ = ("value", "tracers")
+
+    def __init__(self, value: Any, tracers: tuple):
+        self.value = value
+        self.tracers = tracers
+
+
+def _unflatten_lifted(lifted: Lifted, leaves: Sequence[Any]) -> Any:
+    return replace_tracers(lifted.value, dict(zip(map(id, lifted.tracers), leaves, strict=True)))
+
+
+jax.tree_util.register_pytree_node(Lifted, lambda lifted: (lifted.tracers, lifted), _unflatten_lifted)
+
+
+def lift_tracers(value: Any) -> Any:
+    """``Lifted(value)`` if ``value`` holds JAX tracers (where ``find_tracers`` looks), else ``value`` itself."""
+    tracers = tuple({id(t): t for _, t in find_tracers(value)}.values())
+    return Lifted(value, tracers) if tracers else value
+
+
+def lift_static_tracers(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    """``args`` and ``kwargs`` with each non-array leaf that holds tracers ``Lifted``; and whether any was.
+
+    Why: a static argument holding a tracer of an enclosing transformation
+    (``functools.partial(layer, key=key)`` under ``jax.jit`` or ``jax.vmap``)
+    would be closed over by the program, and JAX may run the program's rules
+    where that tracer no longer lives (``jax.grad`` of a ``jax.jit``); lifted,
+    its tracers are the program's inputs, and forward gets the value rebuilt
+    around them.
+    """
+    found = False
+
+    def lift(leaf: Any) -> Any:
+        nonlocal found
+        if is_array(leaf):
+            return leaf
+        lifted = lift_tracers(leaf)
+        found = found or lifted is not leaf
+        return lifted
+
+    lifted_args, lifted_kwargs = jax.tree_util.tree_map(lift, (args, kwargs))
+    return (lifted_args, lifted_kwargs, True) if found else (args, kwargs, False)
+
+
+def lifted_positions(treedef: Any) -> frozenset:
+    """The positions of the leaves of ``treedef`` that ``Lifted`` nodes hold."""
+    positions: set[int] = set()
+
+    def walk(node: Any, start: int, inside: bool) -> None:
+        data = node.node_data()
+        if data is None:  # a leaf
+            if inside and node.num_leaves == 1:
+                positions.add(start)
+            return
+        inside = inside or data[0] is Lifted
+        for child in node.children():
+            walk(child, start, inside)
+            start += child.num_leaves
+
+    walk(treedef, 0, False)
+    return frozenset(positions)
 
 
 class Partition:
