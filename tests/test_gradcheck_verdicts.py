@@ -9,6 +9,8 @@ the CPU flushes to zero), overflow, and arithmetic in float32, float16 and
 bfloat16 inside a backward.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vjpkit
+from vjpkit._checking import runner
 
 # jax.enable_x64 or its older home. Not the x64 fixture:
 # A scope inside one check: the compiled verdict in float64 beside gradcheck run with x64 off.
@@ -26,12 +29,15 @@ EPS, ATOL, RTOL = 1e-6, 1e-5, 1e-3
 ON_CPU = jax.default_backend() == "cpu"
 
 
-def compiled_verdict(fn, x):
-    """Whether fn's compiled derivative agrees with central differences of compiled fn, elementwise."""
-    with enable_x64(True):
+def compiled_verdict(fn, x, compile=jax.jit):
+    """Whether fn's compiled derivative agrees with central differences of compiled fn, elementwise.
+
+    ``compile=eagerly``: the same, with both run op by op, as JAX runs them outside ``jit``.
+    """
+    with enable_x64(True), np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN: it fails
         x = jnp.asarray(x, jnp.float64)
-        analytical = np.asarray(jax.jit(jax.jacrev(fn))(x)).reshape(-1, x.size)
-        f = jax.jit(fn)
+        analytical = np.asarray(compile(jax.jacrev(fn))(x)).reshape(-1, x.size)
+        f = compile(fn)
         scale = 1.0 / (2.0 * EPS)
         columns = []
         for i in range(x.size):
@@ -41,6 +47,10 @@ def compiled_verdict(fn, x):
             columns.append(((np.asarray(f(x + EPS * e)) - np.asarray(f(x + -EPS * e))) * scale).reshape(-1))
         numerical = np.stack(columns, axis=1)
     return bool(np.all(np.abs(analytical - numerical) <= ATOL + RTOL * np.abs(numerical)))
+
+
+def eagerly(fn):
+    return fn
 
 
 def gradcheck_verdict(fn, x):
@@ -197,6 +207,99 @@ def test_gradcheck_verdict_is_the_compiled_programs_verdict(program):
     steps, reduce, x = program
     fn = build(steps, reduce)
     assert gradcheck_verdict(fn, x) is compiled_verdict(fn, x)
+
+
+@contextlib.contextmanager
+def checks_run_op_by_op():
+    """Every checking program made inside runs op by op, never compiled whole."""
+    repeats, seconds = runner._REPEATS_FOR_OP_BY_OP, runner._compile_seconds
+    runner._REPEATS_FOR_OP_BY_OP, runner._compile_seconds = 0, lambda equations: float("inf")
+    vjpkit.clear_caches()
+    try:
+        yield
+    finally:
+        runner._REPEATS_FOR_OP_BY_OP, runner._compile_seconds = repeats, seconds
+        vjpkit.clear_caches()
+
+
+@settings(max_examples=max(15, settings.default.max_examples // 50))
+@given(programs())
+def test_gradcheck_verdict_op_by_op_is_the_eager_programs_verdict(program):
+    steps, reduce, x = program
+    fn = build(steps, reduce)
+    with checks_run_op_by_op():
+        assert gradcheck_verdict(fn, x) is compiled_verdict(fn, x, eagerly)
+
+
+def test_a_float16_sum_judged_op_by_op_is_judged_as_run_eagerly():
+    x = np.array([0.3, -1.2])
+    with checks_run_op_by_op():
+        assert gradcheck_verdict(FLOAT16_COUNT_WITH_UNIT_BACKWARD, x) is compiled_verdict(
+            FLOAT16_COUNT_WITH_UNIT_BACKWARD, x, eagerly)
+
+
+def test_a_subnormal_judged_op_by_op_is_judged_as_run_eagerly():
+    x = np.array([5e-324, 1.0])
+    expected = compiled_verdict(SELF_RATIO_BACKWARD, x, eagerly)
+    if ON_CPU:
+        assert expected is False  # each kernel flushes subnormals too
+    with checks_run_op_by_op():
+        assert gradcheck_verdict(SELF_RATIO_BACKWARD, x) is expected
+
+
+def test_op_by_op_and_compiled_verdicts_part_only_where_xla_simplifies_across_operations():
+    # softmax of one element, exp(x) / sum(exp(x)) at -720: compiled, XLA simplifies it to 1 and the
+    # backward is right; op by op, exp(-720) is subnormal, flushed to 0, and 0 / 0 is NaN.
+    fn, x = build([("self_ratio", jnp.float64, False)], "logsumexp_naive"), np.array([-720.0])
+    if ON_CPU:
+        assert compiled_verdict(fn, x) is True
+        assert compiled_verdict(fn, x, eagerly) is False
+    assert gradcheck_verdict(fn, x) is compiled_verdict(fn, x)
+    with checks_run_op_by_op():
+        assert gradcheck_verdict(fn, x) is compiled_verdict(fn, x, eagerly)
+
+
+# ---------------------------------------------------------------------------
+# Which way a check runs: a Python loop in fn repeats its kernels, and its first
+# check runs them op by op; a check of few kernels is compiled at once.
+
+
+def tanh_loop(x):
+    """30 steps of the same kernels: an unrolled Python loop, as in a bisection."""
+    for _ in range(30):
+        x = jnp.tanh(x) + 0.5 * x
+    return x
+
+
+def checking_programs():
+    return [program for entries in runner.CACHE.by_owner.values() for checker in entries.values()
+            for program, _ in checker._variants.values()]
+
+
+def test_the_first_check_of_a_python_loop_runs_op_by_op():
+    vjpkit.clear_caches()
+    x = np.array([0.3, -0.8, 1.1])
+    assert gradcheck_verdict(tanh_loop, x) is compiled_verdict(tanh_loop, x) is True
+    (program,) = checking_programs()
+    assert program.compiled is None
+
+
+def test_a_check_of_few_kernels_is_compiled_at_once():
+    vjpkit.clear_caches()
+    assert gradcheck_verdict(jnp.sin, np.array([0.3, -0.8])) is True
+    (program,) = checking_programs()
+    assert program.compiled is not None
+
+
+def test_a_check_run_op_by_op_is_compiled_once_its_runs_cost_the_compile(monkeypatch):
+    vjpkit.clear_caches()
+    monkeypatch.setattr(runner, "_compile_seconds", lambda equations: 0.0)
+    x = np.array([0.3, -0.8, 1.1])
+    verdicts = [gradcheck_verdict(tanh_loop, x) for _ in range(3)]
+    (program,) = checking_programs()
+    # The first run compiles each kernel; the second is op by op's cost, over a zero budget; the third compiles.
+    assert verdicts == [True, True, True]
+    assert program.compiled is not None
 
 
 # ---------------------------------------------------------------------------

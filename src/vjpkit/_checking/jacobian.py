@@ -324,7 +324,7 @@ def build_program(evaluate: Callable, options: Options, notes: Notes, report: bo
             _undefined_forward(t, failing_alone)
         return Output(t.rows, analytical, blocks)
 
-    return jax.jit(program)
+    return program
 
 
 def _slow_body(t: _Trace) -> tuple:
