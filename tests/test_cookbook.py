@@ -1,7 +1,7 @@
 """docs/cookbook.md: every code block runs, by the porting page's rules.
 
 Blocks fenced ```python are vjpkit code, run in page order in one namespace
-after the page's first block; blocks fenced ```python torch are the
+after the page's first block; blocks fenced ```python title="PyTorch" are the
 PyTorch originals, run in order in a namespace of their own. One test per
 block, named by its section heading.
 """

@@ -2,7 +2,7 @@
 
 Blocks fenced ```python are vjpkit code: they run in order in one namespace,
 after the page's first block (the prelude), so a later block may use what an
-earlier one defined. Blocks fenced ```python torch are the PyTorch originals:
+earlier one defined. Blocks fenced ```python title="PyTorch" are the PyTorch originals:
 they run in order in a namespace of their own, with the imports the PyTorch
 docs assume. One test per block, named by its section heading.
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 """
-_BLOCK = re.compile(r"^```python( torch)?\n(.*?)^```", re.S | re.M)
+_BLOCK = re.compile(r'^```python( title="PyTorch")?\n(.*?)^```', re.S | re.M)
 _HEADING = re.compile(r"^#{2,3} (.+)$", re.M)
 
 
