@@ -252,9 +252,10 @@ class OwnDerivative:
             apply = _NoForwardMode(self) if self.first_order else self.apply_transposed_backward
         transpose: Any = self.apply_backward if spec.backward is not None else None
         residuals = tuple(residuals)
-        if spec.closes_over_tracer and not linearizing:
+        if spec.closes_over_tracer:
             # The methods close over tracers of an enclosing transformation, which the primitive's rules may
-            # run where those tracers are not (under its own vmap, lowered after the trace): pass them in.
+            # run where those tracers are not (under its own vmap, lowered after the trace, evaluated from a
+            # jax.linearize): pass them in.
             apply = _ClosureConverted(apply, len(residuals), spec.closure_values)
             if transpose is not None:
                 transpose = _ClosureConverted(transpose, len(residuals), spec.closure_values)
