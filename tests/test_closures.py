@@ -170,9 +170,126 @@ def test_jvp_and_backward_closing_over_a_vmap_tracer_in_forward_mode():
 
 
 def test_jvp_and_backward_closing_over_a_vmap_tracer_in_reverse_mode():
-    # jvp runs inline where the tracer lives, and reverse mode transposes it (as for a jax.custom_jvp).
     grads = jax.vmap(lambda y: jax.grad(_scale_by(y).apply)(1.0))(jnp.arange(3.0))
     np.testing.assert_allclose(grads, np.arange(3.0))
+
+
+# ---------------------------------------------------------------------------
+# Reverse mode runs backward and forward mode runs jvp, however the class is built. The rules are not
+# forward's derivative (forward rounds; jvp has slope 5 s, backward 2 s), so plain autodiff of forward is
+# no reference: a jax.custom_vjp with the same backward and a jax.custom_jvp with the same jvp are.
+
+_X = jnp.array([0.3, 1.2, 2.6])
+_T = jnp.array([1.0, 2.0, 4.0])
+
+
+def _rounding(s, rules=("jvp", "backward")):
+    """round(x * s), with a jvp of slope 5 s and a straight-through backward of slope 2 s; all close over s."""
+    methods = {"forward": staticmethod(lambda ctx, x: jnp.round(x * s))}
+    if "jvp" in rules:
+        methods["jvp"] = staticmethod(lambda ctx, t: 5.0 * s * t)
+    if "backward" in rules:
+        methods["backward"] = staticmethod(lambda ctx, g: 2.0 * s * g)
+    return type("Rounding", (vjpkit.Function,), methods).apply
+
+
+def _rounding_by_custom_vjp(s):
+    f = jax.custom_vjp(lambda x: jnp.round(x * s))
+    f.defvjp(lambda x: (jnp.round(x * s), None), lambda _, g: (2.0 * s * g,))
+    return f
+
+
+def _rounding_by_custom_jvp(s):
+    f = jax.custom_jvp(lambda x: jnp.round(x * s))
+    f.defjvp(lambda p, t: (jnp.round(p[0] * s), 5.0 * s * t[0]))
+    return f
+
+
+def _gradient(f):
+    return jax.grad(lambda x: (f(x) * x).sum())(_X)
+
+
+def _tangent(f):
+    return jax.jvp(f, (_X,), (_T,))[1]
+
+
+# How the class is built: each runs ``derivative(make(s))`` for s = 1.5 (s = [1.5, 3.0] under vmap).
+_BUILT = {
+    "at_module_level": lambda derivative, make: derivative(make(1.5)),
+    "inside_jit": lambda derivative, make: jax.jit(lambda s: derivative(make(s)))(1.5),
+    "inside_vmap": lambda derivative, make: jax.vmap(lambda s: derivative(make(s)))(jnp.array([1.5, 3.0])),
+    "inside_jit_of_vmap": lambda derivative, make: jax.jit(jax.vmap(lambda s: derivative(make(s))))(
+        jnp.array([1.5, 3.0])),
+    "inside_vmap_of_jit": lambda derivative, make: jax.vmap(jax.jit(lambda s: derivative(make(s))))(
+        jnp.array([1.5, 3.0])),
+    # Inside a function that jax.grad differentiates (with respect to c, which weighs the result).
+    "inside_grad": lambda derivative, make: jax.jit(
+        lambda s: jax.grad(lambda c: (c * derivative(make(s))).sum())(jnp.ones(3)))(1.5),
+}
+
+
+@pytest.mark.parametrize("built", sorted(_BUILT))
+def test_reverse_mode_runs_backward_however_the_class_is_built(built):
+    got = _BUILT[built](_gradient, _rounding)
+    np.testing.assert_allclose(got, _BUILT[built](_gradient, _rounding_by_custom_vjp), rtol=1e-6)
+    if built == "at_module_level":  # 2 s x + round(s x), s = 1.5
+        np.testing.assert_allclose(got, [0.9, 5.6, 11.8], rtol=1e-6)
+
+
+@pytest.mark.parametrize("built", sorted(_BUILT))
+def test_forward_mode_runs_jvp_however_the_class_is_built(built):
+    got = _BUILT[built](_tangent, _rounding)
+    np.testing.assert_allclose(got, _BUILT[built](_tangent, _rounding_by_custom_jvp), rtol=1e-6)
+    if built == "at_module_level":  # 5 s t, s = 1.5
+        np.testing.assert_allclose(got, [7.5, 15.0, 30.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("built", ["inside_jit", "inside_vmap"])
+def test_reverse_mode_runs_backward_of_a_class_with_one_rule(built):
+    # Only backward: as a jax.custom_vjp. Only jvp: reverse mode transposes it (slope 5 s).
+    got = _BUILT[built](_gradient, lambda s: _rounding(s, ("backward",)))
+    np.testing.assert_allclose(got, _BUILT[built](_gradient, _rounding_by_custom_vjp), rtol=1e-6)
+    got = _BUILT[built](_gradient, lambda s: _rounding(s, ("jvp",)))
+    np.testing.assert_allclose(got, _BUILT[built](_gradient, _rounding_by_custom_jvp), rtol=1e-6)
+
+
+@pytest.mark.parametrize("built", ["inside_jit", "inside_vmap"])
+def test_second_order_takes_each_mode_from_its_own_rule(built):
+    # d/dx of the gradient 2 s x + round(s x): 2 s from the product, and round's own derivative by the outer
+    # mode's rule: backward's 2 s under jacrev of jacrev, jvp's 5 s under jax.hessian (jacfwd of jacrev).
+    def diagonal(hessian):
+        return lambda f: jnp.diag(hessian(lambda x: (f(x) * x).sum())(_X))
+
+    s = np.array([[1.5], [3.0]]) if built == "inside_vmap" else 1.5
+    by_reverse = _BUILT[built](diagonal(lambda g: jax.jacrev(jax.jacrev(g))), _rounding)
+    np.testing.assert_allclose(by_reverse, np.broadcast_to(4.0 * s, np.shape(by_reverse)), rtol=1e-6)
+    by_forward = _BUILT[built](diagonal(jax.hessian), _rounding)
+    np.testing.assert_allclose(by_forward, np.broadcast_to(7.0 * s, np.shape(by_forward)), rtol=1e-6)
+
+
+def test_jitted_step_with_a_zero_jvp_and_a_straight_through_backward_gets_backward():
+    # The class defined inside the jitted (or vmapped) step, closing over a traced value that is not
+    # differentiated: eager, jit and vmap give backward's gradient, 1 per element (as jax.custom_vjp would).
+    def step(x, scale):
+        class StraightThrough(vjpkit.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return jnp.round(x * scale) / scale
+
+            @staticmethod
+            def jvp(ctx, t):
+                return jnp.zeros_like(t)
+
+            @staticmethod
+            def backward(ctx, g):
+                return g
+
+        return jax.grad(lambda x: (StraightThrough.apply(x) * jnp.arange(1.0, 4.0)).sum())(x)
+
+    x = jnp.array([0.2, 0.7, 1.4])
+    np.testing.assert_allclose(step(x, 2.0), [1.0, 2.0, 3.0])
+    np.testing.assert_allclose(jax.jit(step)(x, 2.0), [1.0, 2.0, 3.0])
+    np.testing.assert_allclose(jax.vmap(step, (None, 0))(x, jnp.array([2.0, 4.0])), [[1.0, 2.0, 3.0]] * 2)
 
 
 def test_ctx_attribute_closing_over_a_vmap_tracer():

@@ -412,7 +412,7 @@ def _differentiable(program: Program, arrays: tuple) -> Any:
     """
     leaves = tuple(map(as_jax_leaf, arrays))
     trace = _jax_internals.reverse_linearize_trace()
-    if trace is not None and not program.spec.closes_over_tracer:
+    if trace is not None:
         # Reverse mode's linearization, made directly (JAX's would partially evaluate the rule).
         return program.linearize(trace, leaves)
     if _jax_internals.reaches_eager_shard_map_refusing_symbolic_zeros():

@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from . import _jax_internals, _sharding
 from ._args import as_arrays
@@ -244,20 +245,27 @@ class OwnDerivative:
         transposed, with no primals (partial evaluation would drop them).
         """
         spec = self.spec
-        if spec.closes_over_tracer and spec.jvp is not None:
-            # The methods close over a tracer of an enclosing transformation, which a primitive's rule cannot
-            # hold: jvp runs inline, where that tracer lives, and reverse mode transposes it (a custom_jvp's way).
-            return self.apply_jvp(tuple(residuals), tuple(linear_tangents))
-
+        apply: Any
         if spec.jvp is not None:
             apply = self.apply_jvp
         else:
             apply = _NoForwardMode(self) if self.first_order else self.apply_transposed_backward
+        transpose: Any = self.apply_backward if spec.backward is not None else None
+        residuals = tuple(residuals)
+        if spec.closes_over_tracer:
+            # The methods close over tracers of an enclosing transformation, which the primitive's rules may
+            # run where those tracers are not (under its own vmap, lowered after the trace, evaluated from a
+            # jax.linearize): pass them in.
+            apply = _ClosureConverted(apply, len(residuals), spec.closure_values)
+            if transpose is not None:
+                transpose = _ClosureConverted(transpose, len(residuals), spec.closure_values)
+            residuals += spec.closure_values
+            primals = ()  # the rules' tangents vary wherever those tracers do, whatever the primals' batch axes
         return linear_call(
-            tuple(residuals),
+            residuals,
             list(linear_tangents),
             apply=apply,
-            transpose=self.apply_backward if spec.backward is not None else None,
+            transpose=transpose,
             out_avals=out_types,
             name=self.name,
             primals=primals if not linearizing and _jax_internals.vmap_batches_here() else (),
@@ -309,6 +317,32 @@ class OwnDerivative:
                 f"{self.name}.jvp(ctx, *tangents), or take the derivative in reverse "
                 "mode twice (jax.jacrev of jax.jacrev)."
             ) from e
+
+class _ClosureConverted:
+    """A rule of ``linear_call`` taking the tracers that its Function's methods close over as residuals.
+
+    ``rule(residuals, xs)`` is traced to a jaxpr, whose constants that are
+    those tracers (``closed_over``, by identity) are replaced by the values
+    passed after the ``n_residuals`` residuals: closure conversion, as
+    ``jax.closure_convert`` makes it, for every tracer (not only those JAX
+    may differentiate), so that the primitive's vmap batches along them and
+    its lowering holds no tracer.
+    """
+
+    def __init__(self, rule: Callable, n_residuals: int, closed_over: tuple):
+        self.rule, self.n_residuals, self.closed_over = rule, n_residuals, closed_over
+        self.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)
+        if hasattr(rule, "forward_mode_error"):
+            self.forward_mode_error = rule.forward_mode_error
+        self.__qualname__ = getattr(rule, "__qualname__", "rule")
+
+    def __call__(self, residuals: tuple, xs: tuple) -> list:
+        residuals, values = tuple(residuals[:self.n_residuals]), residuals[self.n_residuals:]
+        closed = jax.make_jaxpr(lambda r, x: list(self.rule(r, x)))(residuals, tuple(xs))
+        at = {id(t): k for k, t in enumerate(self.closed_over)}
+        consts = [values[at[id(c)]] if id(c) in at else c for c in closed.consts]
+        return jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, consts))(*jax.tree_util.tree_leaves((residuals, tuple(xs))))
+
 
 class _NoForwardMode:
     """The first-order rule of a class without jvp: backward transposed, which forward mode may not run.

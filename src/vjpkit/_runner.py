@@ -73,8 +73,10 @@ class Spec:
         self.takes_inputs = any(name not in sig.defaults for name in (*sig.positional, *sig.keyword_only))
         # A class made inside a transformed function may close over that function's tracers, which a jit of
         # its own cannot hold (JAX lowers them as constants): such a class runs as a plain custom_vjp does.
-        self.closure_tracers = _closure_tracers(self.forward, self.backward, self.jvp, self.setup_context)
-        self.closes_over_tracer = bool(self.closure_tracers)
+        # Their ids, and the tracers themselves: a rule's primitive takes them as operands (_program._ClosureConverted).
+        self.closure_values = _closure_tracers(self.forward, self.backward, self.jvp, self.setup_context)
+        self.closure_tracers = frozenset(map(id, self.closure_values))
+        self.closes_over_tracer = bool(self.closure_values)
         self.jit = bool(cls.jit) and not self.closes_over_tracer
         self.cache_size = _cache_size(self.name, cls.cache_size)
         self.once_differentiable = is_once_differentiable(self.backward)
@@ -216,14 +218,14 @@ def _cache_size(name: str, value: Any) -> int:
     return value
 
 
-def _closure_tracers(*methods: Any) -> frozenset:
-    """The ids of the JAX tracers that the methods' closures hold.
+def _closure_tracers(*methods: Any) -> tuple:
+    """The JAX tracers that the methods' closures hold, each once.
 
     Directly, as leaves of pytrees, or through the closures of the
     functions they hold (a helper ``backward`` calls that closes over a
     tracer, a ``functools.partial`` over one), at any depth.
     """
-    found: set[int] = set()
+    found: dict[int, Any] = {}
     seen: set[int] = set()
     pending = [m for m in methods if m is not None]
     while pending:
@@ -243,10 +245,10 @@ def _closure_tracers(*methods: Any) -> frozenset:
                     continue
         for leaf in jax.tree_util.tree_leaves(contents):
             if isinstance(leaf, jax.core.Tracer):
-                found.add(id(leaf))
+                found.setdefault(id(leaf), leaf)
             elif isinstance(leaf, (types.FunctionType, functools.partial)):
                 pending.append(leaf)
-    return frozenset(found)
+    return tuple(found.values())
 
 
 def _vmap_rule(cls: Any, spec: Spec) -> Callable | None:
@@ -282,6 +284,12 @@ def _forward_batched_by_rule(spec: Spec, layout: Partition, arrays: tuple) -> Ca
     Why ``jax.custom_batching.custom_vmap`` around forward alone: setup_context,
     backward and jvp still see the outputs as forward computes them, as in
     PyTorch, where the rule replaces forward under vmap and nothing else.
+    Why a ``jax.custom_jvp`` around that: JAX differentiates a custom_vmap
+    into one call giving values and tangents together, which reverse mode
+    cannot split (grad of grad, ``jax.hessian`` raised). The custom_jvp
+    takes the derivative of forward's code as written, so the rule runs
+    only on values, innermost, at every order; the outputs' own derivative
+    is the Function's rules anyway (``_tie.py``).
     """
     out_layouts: list[Partition] = []  # forward's output structure, found when custom_vmap traces it
     user_rule = spec.vmap
@@ -318,8 +326,17 @@ def _forward_batched_by_rule(spec: Spec, layout: Partition, arrays: tuple) -> Ca
         moved = [leaf if d is None else jnp.moveaxis(leaf, d, 0) for leaf, d in zip(leaves, dims, strict=True)]
         return moved, [d is not None for d in dims]
 
+    differentiable = jax.custom_jvp(batched)
+
+    @differentiable.defjvp
+    def derivative(primals: tuple, tangents: tuple) -> tuple[list, list]:
+        # Zeros where JAX knows them (integer inputs' float0 included): symbolic zeros would be refused by an
+        # eager shard_map before JAX 0.6, which runs forward directly (_dispatch._differentiable).
+        _, tangents_out = jax.jvp(forward, primals, tangents)
+        return batched(*primals), tangents_out
+
     def forward_by_rule(*values: Any, **keyword_values: Any) -> Any:
-        leaves = batched(*arrays)
+        leaves = differentiable(*arrays)
         return out_layouts[-1].combine(leaves)
 
     return forward_by_rule

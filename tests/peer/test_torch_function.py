@@ -365,6 +365,23 @@ def test_autograd_function_db_jacrev_and_jacfwd(name):
     close(jax.jacfwd(fn)(*args), jax.jacfwd(reference)(*args))
 
 
+@pytest.mark.parametrize("name", sorted(_DB))
+def test_autograd_function_db_vjp_of_vjp(name):
+    # autograd_function_db, as functorch's test_ops test_vjpvjp runs it: the vjp of the first output's vjp,
+    # with respect to the inputs and the cotangent.
+    fn, args, reference = _DB[name]
+    cotangent = jnp.linspace(0.5, 1.5, np.size(reference(*args))).reshape(np.shape(reference(*args)))
+
+    def vjp_of_vjp(f):
+        def gradients(args, cotangent):
+            return jax.vjp(f, *args)[1](cotangent)
+
+        outer = jax.vjp(gradients, args, cotangent)[1]
+        return outer(tuple(jnp.linspace(0.2, 1.2, np.size(a)).reshape(np.shape(a)) for a in args))
+
+    close(vjp_of_vjp(fn), vjp_of_vjp(reference))
+
+
 def test_autograd_function_db_cube_gen_vmap():
     # autograd_function_db's CubeGenVmap: its backward is PyTorch's grad_output * dx + 6 * dx.
     x = _CUBE_IN
