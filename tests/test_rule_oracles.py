@@ -543,7 +543,6 @@ def test_outputs_constant_in_the_batch_agree_with_the_loop(sequence):
     _run(sequence)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 item 3: a Function with a vmap staticmethod: no second order")
 @_settings(thorough=100, plain=3)
 @given(st.lists(calls(("vmap_rule",), transforms=SECOND), min_size=1, max_size=2))
 def test_vmap_staticmethod_composes_with_second_order(sequence):
@@ -575,13 +574,6 @@ def test_grad_of_vmap_of_an_output_independent_of_x_is_the_loop():
     close(jax.grad(loss(F.apply))(XS), c, "vjpkit")
 
 
-# JAX linearizes directly (the default from JAX 0.7; the flag is gone later): it cannot linearize the
-# jax.custom_batching.custom_vmap that wraps forward, which before was differentiated by jvp and partial evaluation.
-DIRECT_LINEARIZE = bool(getattr(jax.config, "jax_use_direct_linearize", True))
-
-
-@pytest.mark.xfail(DIRECT_LINEARIZE, strict=True,
-                   reason="issue 29 item 3: grad of grad of a Function with a vmap staticmethod raises")
 def test_grad_of_grad_of_a_function_with_a_vmap_staticmethod():
     F = CLASSES["vmap_rule"]
     close(jax.grad(jax.grad(lambda x: F.apply(x, jnp.asarray(1.0))))(0.5), 2.0, "grad of grad")
@@ -636,16 +628,7 @@ BUILDS = {
 }
 
 
-def _builds():
-    for name in BUILDS:
-        marks = []
-        if "closing_over_a_tracer" in name:
-            reason = "issue 29 item 2: reverse mode transposes jvp, not backward"
-            marks = [pytest.mark.xfail(strict=True, reason=reason)]
-        yield pytest.param(name, marks=marks, id=name)
-
-
-@pytest.mark.parametrize("build", list(_builds()))
+@pytest.mark.parametrize("build", list(BUILDS))
 def test_reverse_mode_runs_backward_and_forward_mode_runs_jvp(build):
     close(BUILDS[build](), EXPECTED, build)
 
@@ -708,7 +691,6 @@ def test_classes_built_each_way_run_backward_in_reverse_mode_and_jvp_in_forward_
     _check_built(build, name, seed)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 item 2: reverse mode transposes jvp, not backward")
 @_settings(thorough=100, plain=3)
 @given(st.sampled_from(["inside_jit_closing_over_a_tracer", "inside_vmap_closing_over_a_tracer"]),
        st.sampled_from(BUILT_REVERSE), st.integers(0, 2**16))
