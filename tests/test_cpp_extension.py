@@ -55,6 +55,13 @@ def load(build_directory, functions=("Scale",), source=SOURCE, **options):
     )
 
 
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    """The kernels are registered for the CPU: where JAX's default device is a GPU, the tests run on the CPU device."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 @pytest.fixture(scope="module")
 def build_directory(tmp_path_factory):
     return tmp_path_factory.mktemp("cpp_extensions")
