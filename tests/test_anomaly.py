@@ -127,6 +127,30 @@ def test_the_message_does_not_depend_on_the_runtimes_wording():
     assert str(raised.value) == EXP_NAN_MESSAGE
 
 
+def test_a_failure_of_an_asynchronous_program_caught_inside_is_raised_once_as_the_block_exits():
+    # Asynchronously (as on a GPU) the block cannot tell whether code inside awaited the result: it reports.
+    step = jax.jit(jax.grad(exp_loss))
+    with pytest.raises(FloatingPointError, match=EXP_NAN):
+        with detect_anomaly():
+            step(X + 1)
+            with pytest.raises(jax.errors.JaxRuntimeError, match=EXP_NAN):
+                step(pending(NEAR_ONE)).block_until_ready()
+    with detect_anomaly():  # reported: not again
+        chex.assert_trees_all_close(step(X + 1), jnp.exp(X + 1))
+
+
+def test_an_error_of_another_kind_caught_inside_is_not_raised_again():
+    @vjpkit.function(host=True)
+    class Bad:
+        @staticmethod
+        def forward(ctx, x):
+            return x > 0  # bool where float is inferred
+
+    with detect_anomaly():
+        with pytest.raises(jax.errors.JaxRuntimeError, match="Bad.forward returned output"):
+            jax.jit(Bad.apply)(X).block_until_ready()
+
+
 def test_a_failure_reported_once_is_not_raised_again_by_a_later_block():
     step = jax.jit(jax.grad(exp_loss))
     with pytest.raises(FloatingPointError, match=EXP_NAN):

@@ -959,6 +959,11 @@ def test_an_error_in_a_program_that_runs_asynchronously_arrives_where_the_result
     out = batched(pending(XS))
     with raises_in_callback("Pair.vmap returned out_dims=(0, 0, 0)"):
         jax.block_until_ready(out)
+    with raises_in_callback("Pair.vmap returned out_dims=(0, 0, 0)"):
+        # Internals on purpose: jax.effects_barrier, then its failed token dropped (JAX would raise it at exit).
+        from vjpkit._jax_internals import effects_barrier
+
+        effects_barrier()
 
 
 def test_the_hosts_own_exception_is_carried_beside_the_runtimes_error():

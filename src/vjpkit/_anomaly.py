@@ -28,11 +28,12 @@ The key differences to ``torch.autograd.detect_anomaly`` are:
   ``RuntimeError`` with vjpkit's message in its text) where the program's
   result is awaited: at the compiled call on the CPU; on a GPU, which runs
   programs asynchronously, where a result is read (``block_until_ready``,
-  ``float``, printing). Catch that inside the block. Leaving the block
-  waits for the programs started in it (``jax.effects_barrier``) and turns
-  the error into the check's ``FloatingPointError``, on every backend: the
-  check hands vjpkit its exception itself, beside the runtime's error,
-  whose text differs by backend.
+  ``float``, printing), if anywhere. Leaving the block waits for the
+  programs started in it (``jax.effects_barrier``) and raises the check's
+  ``FloatingPointError`` on every backend (where a program ran
+  asynchronously, also if code inside the block caught the runtime's error:
+  the block cannot tell): the check hands vjpkit its exception itself,
+  beside the runtime's error, whose text differs by backend.
 - In a sharded program the counts are global (the index is into the whole
   array) and the check runs on every device, so every process of a
   multi-process run raises the same error (on JAX 0.4.38, whose debug
@@ -91,7 +92,7 @@ def detect_anomaly() -> Iterator[None]:
     (there JAX raises ``jax.errors.JaxRuntimeError`` where the program's
     result is awaited: at the jitted call on the CPU, when a result is read
     on a GPU, which runs programs asynchronously; the block waits for the
-    programs it started as it exits, and turns that error into the check's
+    programs it started as it exits, and raises the check's
     ``FloatingPointError``). Use it to find the Function that
     produced a NaN, then switch it off: the checks copy three scalars per
     array to the host on every call, and outside ``jax.jit`` Functions run
@@ -111,14 +112,24 @@ def detect_anomaly() -> Iterator[None]:
     starts.append(start)
     try:
         yield
-        # Where programs run asynchronously (a GPU), a check that failed in a
-        # program whose result nothing awaited has not raised yet: it does here.
-        _jax_internals.effects_barrier()
     except Exception as e:
         failure = failed_check(e, start)
         if failure is None:
             raise  # not a failed check; or the check's own error, raised outside a program
-        raise failure from None
+        raise _deliver(failure) from None
+    else:
+        # A check that failed in a program that ran asynchronously (on a GPU; on the
+        # CPU, given inputs still being computed) reached this thread only if code
+        # here awaited the program's results, and may not have run yet: wait for
+        # the programs, and report it. Other errors of those programs are theirs,
+        # raised where their results are awaited.
+        try:
+            _jax_internals.effects_barrier()
+        except Exception:  # noqa: BLE001 - see above
+            pass
+        failures = _undelivered(start, off_thread=threading.get_ident())
+        if failures:
+            raise _deliver(failures[-1]) from None
     finally:
         starts.pop()
         FLAG.set_local(previous)
@@ -208,6 +219,7 @@ def anomaly_message(owner: str, method: str, where: str, shape: tuple, n_nan: in
 # Getting the message back to the caller: the check's exception is carried
 # beside the runtime's error (_callback_errors), never read out of its text.
 
+_DELIVERED: list = []  # compiled checks' errors a block has raised (by identity; the newest few)
 _SOURCE = "anomaly"
 _BLOCKS = threading.local()  # .starts: this thread's open blocks, each as its _callback_errors.mark()
 
@@ -233,15 +245,27 @@ def failed_check(error: BaseException, start: int | None = None) -> FloatingPoin
     if start is None:
         starts = _starts()
         start = starts[-1] if starts else 0
-    failures = _callback_errors.carried_since(start, _SOURCE)
-    return failures[-1] if failures else None  # type: ignore[return-value]
+    failures = _undelivered(start)
+    return failures[-1] if failures else None
+
+
+def _undelivered(start: int, off_thread: int | None = None) -> list:
+    """The checks' errors carried after ``start`` (raised off ``off_thread``) that no block has raised yet."""
+    carried = _callback_errors.carried_since(start, _SOURCE, off_thread)
+    return [e for e in carried if not any(e is d for d in _DELIVERED)]
+
+
+def _deliver(failure: BaseException) -> BaseException:
+    _DELIVERED.append(failure)
+    del _DELIVERED[:-64]
+    return failure
 
 
 def reraise_anomaly(error: BaseException) -> None:
     """Raises the check's ``FloatingPointError`` if ``error`` is a runtime error from a failed check."""
     failure = failed_check(error)
     if failure is not None:
-        raise failure from None
+        raise _deliver(failure) from None
 
 
 class _DropAnomalyLogs(logging.Filter):

@@ -22,7 +22,7 @@ import threading
 
 _LOCK = threading.Lock()
 _COUNT = itertools.count(1)
-# (number, source, exception), oldest first: the numbers only grow.
+# (number, source, exception, thread), oldest first: the numbers only grow.
 _CARRIED: collections.deque = collections.deque(maxlen=64)
 _LAST = [0]  # the number of the newest exception carried
 
@@ -31,7 +31,7 @@ def carry(e: BaseException, source: str) -> None:
     """Records ``e``, raised in a callback of ``source`` (``"host"``, ``"anomaly"``, ...) on its way to XLA."""
     with _LOCK:
         _LAST[0] = number = next(_COUNT)
-        _CARRIED.append((number, source, e))
+        _CARRIED.append((number, source, e, threading.get_ident()))
 
 
 def mark() -> int:
@@ -39,13 +39,18 @@ def mark() -> int:
     return _LAST[0]
 
 
-def carried_since(start: int, source: str) -> list[BaseException]:
-    """The exceptions ``source``'s callbacks carried after ``start``, oldest (the first failure) first."""
+def carried_since(start: int, source: str, off_thread: int | None = None) -> list[BaseException]:
+    """The exceptions ``source``'s callbacks carried after ``start``, oldest (the first failure) first.
+
+    ``off_thread``: only those raised on another thread than this one (a
+    thread id): by a program that ran asynchronously, so that they reached
+    that thread only where it awaited the program's results, if at all.
+    """
     with _LOCK:
-        return [e for number, s, e in _CARRIED if number > start and s == source]
+        return [e for number, s, e, t in _CARRIED if number > start and s == source and t != off_thread]
 
 
 def is_carried(e: BaseException, source: str) -> bool:
     """Whether ``e`` itself was raised in a callback of ``source`` (and carried)."""
     with _LOCK:
-        return any(c is e and s == source for _, s, c in _CARRIED)
+        return any(c is e and s == source for _, s, c, _ in _CARRIED)
