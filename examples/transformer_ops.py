@@ -261,14 +261,14 @@ def torch_originals():
             t, d = q.shape[-2:]
             block = min(block, t)
             scale = 1.0 / math.sqrt(d)
-            rows = torch.arange(t)[:, None]
-            m = torch.full(q.shape[:-1], NEG_INF, dtype=q.dtype)
-            denom = torch.zeros(q.shape[:-1], dtype=q.dtype)
+            rows = torch.arange(t, device=q.device)[:, None]  # on the inputs' device (CUDA on a GPU)
+            m = torch.full(q.shape[:-1], NEG_INF, dtype=q.dtype, device=q.device)
+            denom = torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
             acc = torch.zeros_like(q)
             for start in range(0, t, block):
                 kb, vb = k[..., start:start + block, :], v[..., start:start + block, :]
                 s = (q @ kb.transpose(-1, -2)) * scale
-                s = s.masked_fill(start + torch.arange(kb.shape[-2])[None, :] > rows, NEG_INF)
+                s = s.masked_fill(start + torch.arange(kb.shape[-2], device=q.device)[None, :] > rows, NEG_INF)
                 m_new = torch.maximum(m, s.amax(-1))
                 p = torch.exp(s - m_new[..., None])
                 rescale = torch.exp(m - m_new)
@@ -285,14 +285,14 @@ def torch_originals():
             q, k, v, out, lse = ctx.saved_tensors
             t, d = q.shape[-2:]
             scale = 1.0 / math.sqrt(d)
-            rows = torch.arange(t)[:, None]
+            rows = torch.arange(t, device=q.device)[:, None]
             delta = (g * out).sum(-1)
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             for start in range(0, t, ctx.block):
                 sl = slice(start, start + ctx.block)
                 kb, vb = k[..., sl, :], v[..., sl, :]
                 s = (q @ kb.transpose(-1, -2)) * scale
-                s = s.masked_fill(start + torch.arange(kb.shape[-2])[None, :] > rows, NEG_INF)
+                s = s.masked_fill(start + torch.arange(kb.shape[-2], device=q.device)[None, :] > rows, NEG_INF)
                 p = torch.exp(s - lse[..., None])
                 dv[..., sl, :] = p.transpose(-1, -2) @ g
                 ds = p * (g @ vb.transpose(-1, -2) - delta[..., None]) * scale
@@ -342,7 +342,7 @@ def torch_originals():
         def backward(ctx, g):
             logits, labels, lse = ctx.saved_tensors
             grad = torch.exp(logits - lse[:, None])
-            grad[torch.arange(len(labels)), labels] -= 1
+            grad[torch.arange(len(labels), device=logits.device), labels] -= 1
             return grad * (g / len(labels)), None
 
     return {

@@ -4,6 +4,7 @@ the error names the class, the method and the position. Off, it costs
 nothing: the compiled program is the one traced without it.
 """
 
+import contextlib
 import re
 import threading
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from asynchronous import pending
 from functions import Log
 
 import vjpkit
@@ -88,11 +90,78 @@ def test_nan_in_backward_under_jit_reaches_the_caller():
 
 
 def test_inside_the_block_jit_errors_carry_the_message():
-    # In a compiled program JAX wraps a failed callback in JaxRuntimeError; the message is in its text.
+    # In a compiled program JAX wraps a failed callback in JaxRuntimeError, raised where the result is
+    # awaited (at the call on the CPU; later on a GPU); the message is in its text.
+    # Where the program ran asynchronously (a GPU), the block also reports it as it exits (tested below).
     step = jax.jit(jax.grad(exp_loss))
+    with contextlib.suppress(FloatingPointError):
+        with detect_anomaly():
+            with pytest.raises(jax.errors.JaxRuntimeError, match=EXP_NAN):
+                step(NEAR_ONE).block_until_ready()
+
+
+EXP_NAN_MESSAGE = (
+    "Exp.backward returned nan in gradient 0 (input 'x'): 1 nan of 3 elements (the first at index (0,)). Found by "
+    "vjpkit.detect_anomaly; look for a division by zero, a log or sqrt at 0, or an overflow in Exp.backward, or "
+    "NaN/Inf in the incoming gradient."
+)
+
+
+def test_a_check_that_fails_after_the_call_returned_raises_as_the_block_exits():
+    # As on a GPU, where a jitted call returns before its program runs: here the input is still being computed.
+    step = jax.jit(jax.grad(exp_loss))
+    with pytest.raises(FloatingPointError) as raised:
+        with detect_anomaly():
+            step(X + 1)  # compiled with the checks; finite
+            step(pending(NEAR_ONE))  # nothing awaits the result
+    assert str(raised.value) == EXP_NAN_MESSAGE
+
+
+def test_the_message_does_not_depend_on_the_runtimes_wording():
+    # Each backend words the runtime's error its own way (a GPU appends where in the program it failed).
+    step = jax.jit(jax.grad(exp_loss))
+    with pytest.raises(FloatingPointError) as raised:
+        with detect_anomaly():
+            try:
+                step(NEAR_ONE).block_until_ready()
+            except jax.errors.JaxRuntimeError:
+                raise jax.errors.JaxRuntimeError("INTERNAL: a runtime that words its errors its own way") from None
+    assert type(raised.value) is FloatingPointError
+    assert str(raised.value) == EXP_NAN_MESSAGE
+
+
+def test_a_failure_of_an_asynchronous_program_caught_inside_is_raised_once_as_the_block_exits():
+    # Asynchronously (as on a GPU) the block cannot tell whether code inside awaited the result: it reports.
+    step = jax.jit(jax.grad(exp_loss))
+    with pytest.raises(FloatingPointError, match=EXP_NAN):
+        with detect_anomaly():
+            step(X + 1)
+            with pytest.raises(jax.errors.JaxRuntimeError, match=EXP_NAN):
+                step(pending(NEAR_ONE)).block_until_ready()
+    with detect_anomaly():  # reported: not again
+        chex.assert_trees_all_close(step(X + 1), jnp.exp(X + 1))
+
+
+def test_an_error_of_another_kind_caught_inside_is_not_raised_again():
+    @vjpkit.function(host=True)
+    class Bad:
+        @staticmethod
+        def forward(ctx, x):
+            return x > 0  # bool where float is inferred
+
     with detect_anomaly():
-        with pytest.raises(jax.errors.JaxRuntimeError, match=EXP_NAN):
-            step(NEAR_ONE)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="Bad.forward returned output"):
+            jax.jit(Bad.apply)(X).block_until_ready()
+
+
+def test_a_failure_reported_once_is_not_raised_again_by_a_later_block():
+    step = jax.jit(jax.grad(exp_loss))
+    with pytest.raises(FloatingPointError, match=EXP_NAN):
+        with detect_anomaly():
+            step(X + 1)
+            step(pending(NEAR_ONE))
+    with detect_anomaly():
+        chex.assert_trees_all_close(jax.grad(exp_loss)(X + 1), jnp.exp(X + 1))
 
 
 def test_nan_in_the_backward_of_an_eager_grad_is_raised_by_the_grad_call():

@@ -4,13 +4,31 @@ out of a plain run, run in CI. Checked on small test files run by pytest's
 own ``pytester`` with this suite's conftest.
 """
 
+import os
 import pathlib
 
 import pytest
 
+import vjpkit
+
 pytest_plugins = ["pytester"]
 
 CONFTEST = (pathlib.Path(__file__).parent / "conftest.py").read_text()
+# Where this vjpkit was imported from, absolute: the runs below start in a temporary
+# directory, which a relative PYTHONPATH (PYTHONPATH=src) would not reach from.
+SOURCE = str(pathlib.Path(vjpkit.__file__).resolve().parent.parent)
+
+
+@pytest.fixture(autouse=True)
+def only_this_suites_plugins(monkeypatch):
+    """The small runs load no third-party pytest plugin, and find vjpkit from any directory.
+
+    Why: their outcomes are read from pytest's summary, which installed
+    plugins (pytest-benchmark under xdist, pytest-cov, ...) may add to; none
+    of them is part of the rule under test.
+    """
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (SOURCE, os.environ.get("PYTHONPATH")))))
 
 SKIPPING_TESTS = """
 import pytest

@@ -10,9 +10,24 @@ import sys
 
 import pytest
 
+import vjpkit
 from vjpkit.__main__ import main
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+# The directory this vjpkit was imported from, for subprocesses run elsewhere: a
+# relative PYTHONPATH (PYTHONPATH=src, a checkout used without installing it)
+# would not reach it from tests/.
+SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(vjpkit.__file__)))
+
+
+def installed():
+    """Skips a test of the installed distribution where this vjpkit is a checkout on PYTHONPATH."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vjpkit")
+    except PackageNotFoundError:
+        pytest.skip("vjpkit is imported from a source tree (PYTHONPATH), not installed: no distribution metadata")
 
 
 def run(capsys, *argv):
@@ -96,6 +111,7 @@ def test_python_dash_m_vjpkit_runs_the_check():
     result = subprocess.run(
         [sys.executable, "-m", "vjpkit", "check", "gc_functions:ScaledLinearFunction", "--inputs", "f64[2,2] f64[3,2]"],
         cwd=TESTS, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (SOURCE, os.environ.get("PYTHONPATH"))))),
     )
     assert result.returncode == 1, result.stderr
     assert "Jacobian mismatch for output 0 with respect to input 1" in result.stdout
@@ -104,6 +120,7 @@ def test_python_dash_m_vjpkit_runs_the_check():
 def test_version_option_prints_the_installed_version(capsys):
     from importlib.metadata import version
 
+    installed()
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0
@@ -113,14 +130,14 @@ def test_version_option_prints_the_installed_version(capsys):
 def test_package_version_is_the_installed_distribution_version():
     from importlib.metadata import version
 
-    import vjpkit
-
+    installed()
     assert vjpkit.__version__ == version("vjpkit")
 
 
 def test_console_command_is_declared_and_runs_the_same_main():
     from importlib.metadata import entry_points
 
+    installed()
     (command,) = [e for e in entry_points(group="console_scripts") if e.name == "vjpkit"]
     assert command.value == "vjpkit.__main__:main"
     assert command.load() is main

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,13 @@ def load(build_directory, functions=("Scale",), source=SOURCE, **options):
     return cpp_extension.load_inline(
         "kernels_under_test", source, list(functions), build_directory=build_directory, **options
     )
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    """The kernels are registered for the CPU: where JAX's default device is a GPU, the tests run on the CPU device."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +341,80 @@ def test_the_same_library_in_two_directories_loads_in_one_process(ext, build_dir
     assert again.library_path == copy
     x = jnp.ones(2, jnp.float32)
     np.testing.assert_array_equal(again.Scale(x, result_shape_dtypes=x, factor=np.float32(2.0)), [2.0, 2.0])
+
+
+# -- CUDA sources ----------------------------------------------------------------------------------------------
+
+CUDA_SOURCE = r"""
+namespace ffi = xla::ffi;
+
+__global__ void ScaleKernel(float factor, const float* x, float* y, size_t n) {
+  size_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = factor * x[i];
+}
+
+// y = factor * x, on XLA's stream
+ffi::Error ScaleImpl(cudaStream_t stream, float factor, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  size_t n = x.element_count();
+  ScaleKernel<<<(n + 255) / 256, 256, 0, stream>>>(factor, x.typed_data(), y->typed_data(), n);
+  cudaError_t error = cudaGetLastError();
+  return error == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(error));
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Scale, ScaleImpl,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Attr<float>("factor")
+                    .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+"""
+
+
+@pytest.mark.slow  # nvcc takes tens of seconds; CI installs it (the cuda-build extra), so this runs there
+def test_cuda_source_is_compiled_with_nvcc_and_registered_for_cuda_beside_the_cpu_kernel(build_directory):
+    if cpp_extension._nvcc()[0] == "nvcc" and shutil.which("nvcc") is None:
+        pytest.skip("no nvcc: neither the CUDA toolkit nor the nvidia-cuda-nvcc wheel (the cuda-build extra)")
+    ext = cpp_extension.load_inline("cuda_under_test", SOURCE, ["Scale", "SumAndProduct"], cuda_source=CUDA_SOURCE,
+                                    build_directory=build_directory)
+    assert ext.Scale.platforms == ("cpu", "CUDA")
+    assert ext.SumAndProduct.platforms == ("cpu",)
+    assert (ext.library_path.parent / "cuda_under_test_cuda.so").is_file()
+    # Here (no GPU) the C++ kernel of the same name runs.
+    y = ext.Scale(jnp.arange(3.0), result_shape_dtypes=jax.ShapeDtypeStruct((3,), jnp.float32), factor=np.float32(2))
+    np.testing.assert_array_equal(y, [0.0, 2.0, 4.0])
+
+
+def test_a_kernel_called_on_a_device_it_was_not_compiled_for_raises_naming_both():
+    cuda_only = cpp_extension.FfiKernel("Scale", "never_registered.Scale", "sequential", ["CUDA"])
+    with pytest.raises(ValueError, match=re.escape(
+        "Scale is compiled for gpu only (from load_inline's cuda_source), but an argument is on cpu. Put the "
+        "arguments on a gpu device")):
+        cuda_only(jnp.ones(3), result_shape_dtypes=jax.ShapeDtypeStruct((3,), jnp.float32), factor=np.float32(2))
+
+
+def test_cuda_source_without_nvcc_raises_build_error_naming_it(monkeypatch, tmp_path):
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc on it
+    monkeypatch.setattr(cpp_extension, "_nvidia_wheel_dirs", lambda: [])
+    with pytest.raises(cpp_extension.BuildError, match=r"load_inline: cuda_source needs nvcc, the CUDA compiler, "
+                                                       r"which was not found \('nvcc'\)"):
+        cpp_extension.load_inline("no_nvcc", "", ["Scale"], cuda_source=CUDA_SOURCE, build_directory=tmp_path)
+
+
+def test_cuda_source_and_cuda_sources_together_raise_type_error(build_directory):
+    with pytest.raises(TypeError, match="give cuda_source or cuda_sources"):
+        cpp_extension.load_inline("both", "", ["Scale"], cuda_source=CUDA_SOURCE, cuda_sources=[CUDA_SOURCE],
+                                  build_directory=build_directory)
+
+
+def test_no_source_at_all_raises_value_error(build_directory):
+    with pytest.raises(ValueError, match="load_inline: no source: give cpp_source"):
+        cpp_extension.load_inline("empty", "", ["Scale"], build_directory=build_directory)
+
+
+def test_pytorch_spelling_cuda_sources_is_the_list_joined(monkeypatch, tmp_path):
+    built = []  # the sources handed to the build, which builds nothing here
+    monkeypatch.setattr(cpp_extension, "_load_or_build",
+                        lambda compiler, source, path, include_dir: built.append(source) or types.SimpleNamespace())
+    with pytest.raises(ValueError, match="function 'Scale' is not defined"):
+        cpp_extension.load_inline("split", "", ["Scale"], cuda_sources=["// part one", "// part two"],
+                                  build_directory=tmp_path)
+    assert built[0].endswith("// part one\n// part two")

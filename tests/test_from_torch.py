@@ -407,7 +407,8 @@ def test_torch_error_at_run_time_names_the_class_and_method():
     Failing = vjpkit.from_torch(TFailingBackward)
     with pytest.raises(Exception, match=r"TFailingBackward\.backward \(PyTorch, run by vjpkit\.from_torch\) "
                                          r"raised ValueError: this backward always fails"):
-        jax.jit(jax.grad(lambda x: Failing.apply(x).sum()))(jnp.ones(3))
+        # Awaited: where programs run asynchronously (a GPU), the error arrives there, not at the call.
+        jax.jit(jax.grad(lambda x: Failing.apply(x).sum()))(jnp.ones(3)).block_until_ready()
 
 
 def test_torch_error_while_tracing_names_the_class_and_method():

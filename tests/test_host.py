@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from asynchronous import pending
 from functions import Double, Identity, Mul, fresh
 
 import vjpkit
@@ -40,7 +41,12 @@ def host_function(name, **methods):
 
 
 def raises_in_callback(message):
-    """Errors raised on the host arrive as JAX's runtime error, carrying vjpkit's message."""
+    """Errors raised on the host arrive as JAX's runtime error, carrying vjpkit's message.
+
+    They arrive where the program's result is awaited: at the call on the
+    CPU, later on a GPU (which runs programs asynchronously), so the tests
+    await each result (``block_until_ready``).
+    """
     return pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(message))
 
 
@@ -888,7 +894,7 @@ def test_vmap_staticmethod_out_dims_of_another_structure_raises_naming_the_class
     pair = host_pair(lambda x: ((2 * x, x.sum(1)), (0, 0, 0)))
     with raises_in_callback("Pair.vmap returned out_dims=(0, 0, 0) for outputs 2 outputs (structure "
                             "PyTreeDef((*, *))): expected an int or None for every output, or a pytree of them"):
-        jax.vmap(pair)(XS)
+        jax.block_until_ready(jax.vmap(pair)(XS))
 
 
 def test_vmap_staticmethod_tuple_out_dims_for_one_output_raises():
@@ -904,42 +910,75 @@ def test_vmap_staticmethod_tuple_out_dims_for_one_output_raises():
 
     with raises_in_callback("Double.vmap returned out_dims=(0,) for outputs array of shape (4, 3) and dtype "
                             "float32 (structure PyTreeDef(*)): expected an int or None for every output"):
-        jax.vmap(Double)(XS)
+        jax.vmap(Double)(XS).block_until_ready()
 
 
 @pytest.mark.parametrize("out_dims", ["0", 0.0, True])
 def test_vmap_staticmethod_out_dims_that_are_not_ints_raise(out_dims):
     pair = host_pair(lambda x: ((2 * x, x.sum(1)), out_dims))
     with raises_in_callback(f"Pair.vmap returned out_dims={out_dims!r} for outputs 2 outputs"):
-        jax.vmap(pair)(XS)
+        jax.block_until_ready(jax.vmap(pair)(XS))
 
 
 def test_vmap_staticmethod_wrong_number_of_outputs_raises_naming_vmap():
     pair = host_pair(lambda x: ((2 * x, x.sum(1), x), 0))
     with raises_in_callback("Pair.vmap returned outputs 3 outputs (structure PyTreeDef((*, *, *))), but "
                             "Pair.output_shapes gives 2 output(s) with structure PyTreeDef((*, *))"):
-        jax.vmap(pair)(XS)
+        jax.block_until_ready(jax.vmap(pair)(XS))
 
 
 def test_vmap_staticmethod_out_dims_out_of_range_raises():
     pair = host_pair(lambda x: ((2 * x, x.sum(1)), (0, 1)))
     with raises_in_callback("Pair.vmap returned output[1] of shape (4,) with out_dims 1, which is not one of "
                             "its axes (expected shape (4,) with the batch of 4 at axis 0, or () with out_dims None)"):
-        jax.vmap(pair)(XS)
+        jax.block_until_ready(jax.vmap(pair)(XS))
 
 
 def test_vmap_staticmethod_batch_axis_of_the_wrong_size_raises():
     pair = host_pair(lambda x: ((2 * x, x.sum()), 0))  # the sum over the whole batch: shape ()
     with raises_in_callback("Pair.vmap returned output[1] of shape () with out_dims 0, which is not one of its axes"):
-        jax.vmap(pair)(XS)
+        jax.block_until_ready(jax.vmap(pair)(XS))
     pair = host_pair(lambda x: ((2 * x, x.sum(0)), 0))  # summed over the batch, not the example: shape (3,)
     with raises_in_callback("Pair.vmap returned output[1] of shape (3,) whose batch axis (out_dims 0) has size 3, "
                             "but the batch has 4 examples (info.batch_size)"):
-        jax.vmap(pair)(XS)
+        jax.block_until_ready(jax.vmap(pair)(XS))
 
 
 def test_vmap_staticmethod_wrong_example_shape_raises():
     pair = host_pair(lambda x: ((2 * x[:, :2], x.sum(1)), 0))
     with raises_in_callback("Pair.vmap returned output[0] of shape (4, 2) and dtype float32 with out_dims 0: one "
                             "example of shape (2,), but Pair.output_shapes gives shape (3,) and dtype float32"):
-        jax.vmap(pair)(XS)
+        jax.block_until_ready(jax.vmap(pair)(XS))
+
+
+def test_an_error_in_a_program_that_runs_asynchronously_arrives_where_the_result_is_awaited():
+    # As on a GPU: given an input still being computed, the call returns before the NumPy code runs.
+    batched = jax.jit(jax.vmap(host_pair(lambda x: ((2 * x, x.sum(1)), (0, 0, 0)))))
+    with raises_in_callback("Pair.vmap returned out_dims=(0, 0, 0)"):
+        jax.block_until_ready(batched(XS))  # compiled here (on the CPU the call itself raises)
+    out = batched(pending(XS))
+    with raises_in_callback("Pair.vmap returned out_dims=(0, 0, 0)"):
+        jax.block_until_ready(out)
+    with raises_in_callback("Pair.vmap returned out_dims=(0, 0, 0)"):
+        # Internals on purpose: jax.effects_barrier, then its failed token dropped (JAX would raise it at exit).
+        from vjpkit._jax_internals import effects_barrier
+
+        effects_barrier()
+
+
+def test_the_hosts_own_exception_is_carried_beside_the_runtimes_error():
+    # Internals on purpose: what vjpkit (and tests/test_misuse_catalogue.py) read instead of the runtime's
+    # text, which each backend words its own way.
+    from vjpkit import _callback_errors
+
+    Total = host_function("Total", forward=lambda ctx, x: x.sum())
+    start = _callback_errors.mark()
+    with raises_in_callback("Total.forward returned output with shape ()"):
+        Total(X).block_until_ready()
+    (carried,) = _callback_errors.carried_since(start, "host")
+    assert type(carried) is ValueError
+    assert str(carried) == (
+        "Total.forward returned output with shape () and dtype float32, but the shape and dtype of input 'x' "
+        "(inferred: Total defines no output_shapes) gives shape (3,) and dtype float32. Fix forward, or define (or "
+        "fix) the staticmethod Total.output_shapes(*inputs) returning a jax.ShapeDtypeStruct per output."
+    )

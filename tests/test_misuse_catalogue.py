@@ -14,6 +14,9 @@ import re
 import jax
 import pytest
 
+# Internals on purpose: a host Function's own exception, carried beside JAX's runtime error.
+from vjpkit import _callback_errors
+
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
 # Every misuse PyTorch reports for a custom Function (issue 7's list, and the
@@ -47,14 +50,15 @@ def raised(prelude: str, code: str) -> str:
     """``ExceptionType: message`` of what the example raises."""
     namespace: dict = {"__name__": "errors_md"}
     exec(compile(prelude, "docs/errors.md (prelude)", "exec"), namespace)
+    start = _callback_errors.mark()
     try:
         exec(compile(code, "docs/errors.md", "exec"), namespace)
     except Exception as e:  # noqa: BLE001 - the message is what is tested
-        message = str(e).split(_JAX_NOTE)[0]
-        if isinstance(e, jax.errors.JaxRuntimeError) and "Traceback" in message:
-            # A host Function's error: JAX's message ends with the host's exception.
-            return message.rstrip().splitlines()[-1]
-        return f"{type(e).__name__}: {message}"
+        host = _callback_errors.carried_since(start, "host")
+        if isinstance(e, jax.errors.JaxRuntimeError) and host:
+            # A host Function's error: the host's own exception (the runtime's text around it differs by backend).
+            return f"{type(host[-1]).__name__}: {host[-1]}"
+        return f"{type(e).__name__}: {str(e).split(_JAX_NOTE)[0]}"
     return "(nothing raised)"
 
 

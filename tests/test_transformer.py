@@ -150,6 +150,19 @@ def test_op_matches_its_pytorch_original(name):
                          check_second_order=name == "GELU")
 
 
+@pytest.mark.parametrize("name", TORCH_INPUTS)
+def test_pytorch_originals_run_on_their_inputs_device(name):
+    # PyTorch's meta device stands in for CUDA: a tensor an original makes on the CPU (a mask from
+    # torch.arange(t)) cannot meet the inputs there either.
+    torch = pytest.importorskip("torch")
+    inputs = [torch.tensor(np.asarray(a)).to("meta") if hasattr(a, "shape") else a for a in TORCH_INPUTS[name]]
+    inputs = [a.requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in inputs]
+    out = ops.torch_originals()[name].apply(*inputs)
+    out.sum().backward()
+    assert out.device.type == "meta"
+    assert all(a.grad.device.type == "meta" for a in inputs if torch.is_tensor(a) and a.requires_grad)
+
+
 # ---------------------------------------------------------------------------
 # The model.
 

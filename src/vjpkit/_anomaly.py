@@ -24,10 +24,16 @@ The key differences to ``torch.autograd.detect_anomaly`` are:
   ``jax.grad`` or ``jax.vjp`` pullback) runs, and that call raises
   ``FloatingPointError``, as in PyTorch; code inside the block can catch it. Inside a compiled program
   (a function under ``jax.jit``, a ``lax.scan`` body) the check runs on
-  XLA's threads, and JAX reports it from the compiled call as
-  ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``; vjpkit's message at the
-  end of its text): catch that inside the block; leaving the block turns it
-  back into ``FloatingPointError``.
+  XLA's threads, and JAX reports it as ``jax.errors.JaxRuntimeError`` (a
+  ``RuntimeError`` with vjpkit's message in its text) where the program's
+  result is awaited: at the compiled call on the CPU; on a GPU, which runs
+  programs asynchronously, where a result is read (``block_until_ready``,
+  ``float``, printing), if anywhere. Leaving the block waits for the
+  programs started in it (``jax.effects_barrier``) and raises the check's
+  ``FloatingPointError`` on every backend (where a program ran
+  asynchronously, also if code inside the block caught the runtime's error:
+  the block cannot tell): the check hands vjpkit its exception itself,
+  beside the runtime's error, whose text differs by backend.
 - In a sharded program the counts are global (the index is into the whole
   array) and the check runs on every device, so every process of a
   multi-process run raises the same error (on JAX 0.4.38, whose debug
@@ -43,7 +49,6 @@ The key differences to ``torch.autograd.detect_anomaly`` are:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
@@ -53,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _jax_internals, _sharding
+from . import _callback_errors, _jax_internals, _sharding
 from ._tree import Partition
 
 # Thread-local, and in JAX's jit and trace cache keys (see _jax_internals).
@@ -84,9 +89,11 @@ def detect_anomaly() -> Iterator[None]:
     ``jvp`` returns raises ``FloatingPointError``, e.g.
     ``Exp.backward returned nan in gradient 0 (input 'x'): ...``, from the
     call that produced it, also when the Function runs inside ``jax.jit``
-    (there JAX raises ``jax.errors.JaxRuntimeError`` from the jitted call,
-    with the message in its text, and the block turns it into
-    ``FloatingPointError`` as it exits). Use it to find the Function that
+    (there JAX raises ``jax.errors.JaxRuntimeError`` where the program's
+    result is awaited: at the jitted call on the CPU, when a result is read
+    on a GPU, which runs programs asynchronously; the block waits for the
+    programs it started as it exits, and raises the check's
+    ``FloatingPointError``). Use it to find the Function that
     produced a NaN, then switch it off: the checks copy three scalars per
     array to the host on every call, and outside ``jax.jit`` Functions run
     op by op.
@@ -100,15 +107,31 @@ def detect_anomaly() -> Iterator[None]:
     with _ACTIVE_LOCK:
         ACTIVE[0] += 1
     previous = FLAG.swap_local(True)
+    starts = _starts()
+    start = _callback_errors.mark()
+    starts.append(start)
     try:
         yield
     except Exception as e:
-        message = reported_in(e)
-        if message is None:
-            raise
-        # Under jax.jit, JAX wraps the callback's error in JaxRuntimeError.
-        raise FloatingPointError(message) from None
+        failure = failed_check(e, start)
+        if failure is None:
+            raise  # not a failed check; or the check's own error, raised outside a program
+        raise _deliver(failure) from None
+    else:
+        # A check that failed in a program that ran asynchronously (on a GPU; on the
+        # CPU, given inputs still being computed) reached this thread only if code
+        # here awaited the program's results, and may not have run yet: wait for
+        # the programs, and report it. Other errors of those programs are theirs,
+        # raised where their results are awaited.
+        try:
+            _jax_internals.effects_barrier()
+        except Exception:  # noqa: BLE001 - see above
+            pass
+        failures = _undelivered(start, off_thread=threading.get_ident())
+        if failures:
+            raise _deliver(failures[-1]) from None
     finally:
+        starts.pop()
         FLAG.set_local(previous)
         with _ACTIVE_LOCK:
             ACTIVE[0] -= 1
@@ -165,9 +188,10 @@ class _Report:
         for (where, shape), (n_nan, n_inf, first) in zip(self.wheres, stats, strict=True):
             n_nan, n_inf = int(n_nan), int(n_inf)
             if n_nan or n_inf:
-                message = anomaly_message(self.owner, self.method, where, shape, n_nan, n_inf, int(first))
-                _remember(message)
-                raise FloatingPointError(message)
+                error = FloatingPointError(anomaly_message(self.owner, self.method, where, shape, n_nan, n_inf,
+                                                           int(first)))
+                _callback_errors.carry(error, _SOURCE)
+                raise error
 
 
 def anomaly_message(owner: str, method: str, where: str, shape: tuple, n_nan: int, n_inf: int, first: int) -> str:
@@ -192,43 +216,56 @@ def anomaly_message(owner: str, method: str, where: str, shape: tuple, n_nan: in
 
 
 # ---------------------------------------------------------------------------
-# Getting the message back to the caller.
+# Getting the message back to the caller: the check's exception is carried
+# beside the runtime's error (_callback_errors), never read out of its text.
 
-# Messages raised by callbacks, newest last. Callbacks run on XLA's threads,
-# so this is process-wide; a short history is enough to recognize a message
-# inside the JaxRuntimeError that reaches the caller.
-_REPORTED: collections.deque = collections.deque(maxlen=32)
-_REPORTED_LOCK = threading.Lock()
-
-
-def _remember(message: str) -> None:
-    with _REPORTED_LOCK:
-        _REPORTED.append(message)
+_DELIVERED: list = []  # compiled checks' errors a block has raised (by identity; the newest few)
+_SOURCE = "anomaly"
+_BLOCKS = threading.local()  # .starts: this thread's open blocks, each as its _callback_errors.mark()
 
 
-def _is_reported(text: str) -> bool:
-    with _REPORTED_LOCK:
-        return text in _REPORTED
+def _starts() -> list:
+    starts = getattr(_BLOCKS, "starts", None)
+    if starts is None:
+        starts = _BLOCKS.starts = []
+    return starts
 
 
-def reported_in(error: BaseException) -> str | None:
-    """The anomaly message inside a JAX error raised by a failed check, if any."""
-    text = str(error)
-    if type(error) is FloatingPointError and _is_reported(text):
-        return None  # already the right error (eager execution raises it directly)
-    with _REPORTED_LOCK:
-        messages = list(_REPORTED)
-    for message in reversed(messages):
-        if message in text:
-            return message
-    return None
+def failed_check(error: BaseException, start: int | None = None) -> FloatingPointError | None:
+    """The check's own ``FloatingPointError`` behind ``error``, a runtime error of a program; None if none.
+
+    ``start``: where to look from (the innermost open block's start by default).
+    A program's failed check reaches the caller as the runtime's error (its
+    text differs by backend). A failed check stops its program (and the
+    programs that take its results), so the newest check that failed since
+    the block began is the cause.
+    """
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return None
+    if start is None:
+        starts = _starts()
+        start = starts[-1] if starts else 0
+    failures = _undelivered(start)
+    return failures[-1] if failures else None
+
+
+def _undelivered(start: int, off_thread: int | None = None) -> list:
+    """The checks' errors carried after ``start`` (raised off ``off_thread``) that no block has raised yet."""
+    carried = _callback_errors.carried_since(start, _SOURCE, off_thread)
+    return [e for e in carried if not any(e is d for d in _DELIVERED)]
+
+
+def _deliver(failure: BaseException) -> BaseException:
+    _DELIVERED.append(failure)
+    del _DELIVERED[:-64]
+    return failure
 
 
 def reraise_anomaly(error: BaseException) -> None:
-    """Raises ``FloatingPointError`` if ``error`` wraps a failed check; returns otherwise."""
-    message = reported_in(error)
-    if message is not None:
-        raise FloatingPointError(message) from None
+    """Raises the check's ``FloatingPointError`` if ``error`` is a runtime error from a failed check."""
+    failure = failed_check(error)
+    if failure is not None:
+        raise _deliver(failure) from None
 
 
 class _DropAnomalyLogs(logging.Filter):
@@ -236,7 +273,7 @@ class _DropAnomalyLogs(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         e = record.exc_info[1] if record.exc_info else None
-        return not (type(e) is FloatingPointError and _is_reported(str(e)))
+        return not (e is not None and _callback_errors.is_carried(e, _SOURCE))
 
 
 _LOG_FILTER = _DropAnomalyLogs()

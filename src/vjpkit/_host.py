@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _jax_internals, _sharding
+from . import _callback_errors, _jax_internals, _sharding
 from ._ctx import (
     FunctionCtx,
     call_forward,
@@ -280,10 +280,14 @@ def _pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: s
     ]
 
     def run(*xs: Any) -> list:
-        xs = tuple(_np_from_words(x, d) if d in _WIDE else x for x, d in zip(xs, arg_dtypes, strict=True))
-        with _jax_internals.enable_x64(x64):
-            results = treedef.flatten_up_to(callback(*xs))
-        return [_np_to_words(r) if d in _WIDE else r for r, d in zip(results, out_dtypes, strict=True)]
+        try:
+            xs = tuple(_np_from_words(x, d) if d in _WIDE else x for x, d in zip(xs, arg_dtypes, strict=True))
+            with _jax_internals.enable_x64(x64):
+                results = treedef.flatten_up_to(callback(*xs))
+            return [_np_to_words(r) if d in _WIDE else r for r, d in zip(results, out_dtypes, strict=True)]
+        except Exception as e:
+            _callback_errors.carry(e, "host")  # the runtime's error that reaches the caller words it per backend
+            raise
 
     sent = [_jax_to_words(a) if d in _WIDE else a for a, d in zip(args, arg_dtypes, strict=True)]
     got = jax.pure_callback(run, wire, *sent, vmap_method=vmap_method)

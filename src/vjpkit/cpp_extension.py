@@ -24,7 +24,7 @@ Usage::
 This is PyTorch's ``torch.utils.cpp_extension.load_inline`` for XLA's FFI:
 the source is compiled once into a shared library, cached by a hash of its
 content, each handler named in ``functions`` is registered as an XLA FFI
-target for the CPU, and the returned :class:`Extension` has one callable
+target for the CPU (those of a ``cuda_source``: for CUDA GPUs), and the returned :class:`Extension` has one callable
 per handler that runs it through ``jax.ffi.ffi_call``. The calls work under
 ``jit``, ``vmap`` and inside vjpkit Functions (wrap a forward and a backward
 kernel in one Function to give the kernel a gradient).
@@ -49,6 +49,12 @@ The key differences to PyTorch's ``load_inline``:
   unbatched arguments).
 - FFI calls have no derivative: give them one with a vjpkit Function whose
   forward and backward each call a kernel (``examples/ffi_kernel.py``).
+- CUDA kernels: ``cuda_source=`` (PyTorch's ``cuda_sources=`` too) is
+  compiled with ``nvcc`` into a second library whose handlers are
+  registered for CUDA GPUs (``examples/cuda_kernel.py``); a handler takes
+  XLA's stream with ``.Ctx<ffi::PlatformStream<cudaStream_t>>()``. A kernel
+  runs only on the platforms it was compiled for: called eagerly on arrays
+  of another device it raises ``ValueError`` naming both.
 
 Tips:
 
@@ -97,6 +103,7 @@ from ._host import VMAP_METHODS
 __all__ = ["BuildError", "Extension", "FfiKernel", "default_build_directory", "load_inline"]
 
 _SOURCE_PREFIX = '#include "xla/ffi/api/ffi.h"\n#line 1 "<cpp_source>"\n'
+_CUDA_SOURCE_PREFIX = '#include "xla/ffi/api/ffi.h"\n#line 1 "<cuda_source>"\n'
 _CXX_FLAGS = ("-std=c++17", "-O2")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HANDLER_SYMBOL = re.compile(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)")
@@ -104,7 +111,9 @@ _COMPILERS = ("c++", "g++", "clang++")  # tried in this order when $CXX is not s
 
 # One build at a time in this process (other processes: see _Compiler.build).
 _lock = threading.Lock()
-_registered: set[str] = set()  # the XLA FFI targets registered in this process
+_registered: set[tuple[str, str]] = set()  # the XLA FFI targets (and platforms) registered in this process
+# XLA's platform names for registering, and JAX's device platform for each.
+_DEVICE_PLATFORM = {"cpu": "cpu", "CUDA": "gpu"}
 
 
 class BuildError(RuntimeError):
@@ -123,20 +132,39 @@ class FfiKernel:
     sequence.
     """
 
-    def __init__(self, name: str, target_name: str, vmap_method: str):
+    def __init__(self, name: str, target_name: str, vmap_method: str, platforms: Sequence[str] = ("cpu",)):
         self.name = name
         self.target_name = target_name
         self.vmap_method = vmap_method
+        self.platforms = tuple(platforms)  # XLA's names: "cpu" (cpp_source), "CUDA" (cuda_source)
 
     def __call__(
         self, *args: Any, result_shape_dtypes: Any, vmap_method: str | None = None, **attributes: Any
     ) -> Any:
         method = self.vmap_method if vmap_method is None else _checked_vmap_method(vmap_method)
+        self._check_devices(args)
         call = _jax_internals.ffi_api().ffi_call(self.target_name, _shape_dtypes(result_shape_dtypes), method)
         return call(*args, **attributes)
 
+    def _check_devices(self, args: Sequence[Any]) -> None:
+        """An array on a device this kernel was not compiled for raises here, naming both (not XLA's NOT_FOUND)."""
+        compiled_for = {_DEVICE_PLATFORM[p] for p in self.platforms}
+        for arg in args:
+            if isinstance(arg, jax.Array) and not isinstance(arg, jax.core.Tracer):
+                on = {d.platform for d in arg.devices()} - compiled_for
+                if on:
+                    sources = " and ".join({"cpu": "cpp_source", "gpu": "cuda_source"}[p] for p in sorted(compiled_for))
+                    raise ValueError(
+                        f"{self.name} is compiled for {', '.join(sorted(compiled_for))} only (from load_inline's "
+                        f"{sources}), but an argument is on {', '.join(sorted(on))}. Put the arguments on a "
+                        f"{' or '.join(sorted(compiled_for))} device (jax.device_put(x, "
+                        f"jax.devices({sorted(compiled_for)[0]!r})[0]), or jax.default_device), or give "
+                        "load_inline a source for that platform."
+                    )
+
     def __repr__(self) -> str:
-        return f"FfiKernel({self.name!r}, target_name={self.target_name!r}, vmap_method={self.vmap_method!r})"
+        return (f"FfiKernel({self.name!r}, target_name={self.target_name!r}, vmap_method={self.vmap_method!r}, "
+                f"platforms={self.platforms!r})")
 
 
 class Extension:
@@ -165,11 +193,14 @@ class Extension:
 
 def load_inline(
     name: str,
-    cpp_source: str,
-    functions: Sequence[str],
+    cpp_source: str | Sequence[str] = "",
+    functions: Sequence[str] = (),
     *,
+    cuda_source: str | Sequence[str] | None = None,
+    cuda_sources: str | Sequence[str] | None = None,
     vmap_method: str = "sequential",
     extra_cflags: Sequence[str] = (),
+    extra_cuda_cflags: Sequence[str] = (),
     extra_ldflags: Sequence[str] = (),
     build_directory: str | os.PathLike[str] | None = None,
     verbose: bool = False,
@@ -181,11 +212,20 @@ def load_inline(
             file name and as the prefix of its XLA target names.
         cpp_source: C++17 source defining each function with
             ``XLA_FFI_DEFINE_HANDLER_SYMBOL``; ``xla/ffi/api/ffi.h`` is
-            included before it.
+            included before it. Its handlers are registered for the CPU.
+            A list of sources is joined.
         functions: the handler names to register and return.
+        cuda_source: CUDA source (kernels and their FFI handlers, which
+            take XLA's stream with ``.Ctx<ffi::PlatformStream<cudaStream_t>>()``),
+            compiled with ``nvcc`` (``$CUDA_HOME/bin``, the ``PATH``, or the
+            ``nvidia-cuda-nvcc`` wheel); its handlers are registered for
+            CUDA GPUs. A function defined in both sources runs the one for
+            the device of its arguments. ``cuda_sources``: PyTorch's
+            spelling, the same.
         vmap_method: how calls batch under ``vmap`` unless a call says
             otherwise: ``"sequential"``, ``"expand_dims"`` or ``"broadcast_all"``.
         extra_cflags: more compiler arguments.
+        extra_cuda_cflags: more ``nvcc`` arguments (``-arch=sm_90``, ...).
         extra_ldflags: more linker arguments.
         build_directory: where libraries are cached (see the module's tips).
         verbose: print the compiler's commands and output.
@@ -194,8 +234,9 @@ def load_inline(
         An :class:`Extension` with one :class:`FfiKernel` per function.
 
     Raises:
-        BuildError: no C++ compiler was found, or compiling or linking
-            failed (the message holds the compiler's output).
+        BuildError: no C++ compiler (or, for ``cuda_source``, no ``nvcc``)
+            was found, or compiling or linking failed (the message holds
+            the compiler's output).
         ValueError: ``name`` or a function name is not a C identifier, a
             function is not defined in the compiled library, or
             ``vmap_method`` is unknown.
@@ -214,29 +255,59 @@ def load_inline(
     for function in functions:
         _check_identifier("function name", function)
     method = _checked_vmap_method(vmap_method)
+    if cuda_source is not None and cuda_sources is not None:
+        raise TypeError("load_inline: give cuda_source or cuda_sources (PyTorch's spelling), not both")
+    cpp = _joined(cpp_source)
+    cuda = _joined(cuda_source if cuda_source is not None else cuda_sources)
+    if not cpp.strip() and not cuda.strip():
+        raise ValueError("load_inline: no source: give cpp_source (CPU kernels), cuda_source (CUDA kernels) or both")
 
     api = _jax_internals.ffi_api()
     include_dir = api.include_dir()
-    compiler = _Compiler(extra_cflags, extra_ldflags, verbose)
-    source = _SOURCE_PREFIX + cpp_source
-    digest = _content_hash(name, source, compiler.signature(), include_dir, _headers_digest(include_dir))
     directory = pathlib.Path(build_directory) if build_directory is not None else default_build_directory()
-    library_path = directory / f"{name}_{digest[:16]}" / f"{name}.so"
+    headers = _headers_digest(include_dir)
+    builds: list[tuple[str, _Compiler, str]] = []  # (XLA platform, compiler, full source)
+    if cpp.strip():
+        builds.append(("cpu", _Compiler(extra_cflags, extra_ldflags, verbose), _SOURCE_PREFIX + cpp))
+    if cuda.strip():
+        builds.append(("CUDA", _CudaCompiler(extra_cuda_cflags, extra_ldflags, verbose), _CUDA_SOURCE_PREFIX + cuda))
+    # One key for the extension (its target names), from both sources; one library per platform.
+    key = _content_hash(name, *(part for _, compiler, source in builds for part in (source, compiler.signature())),
+                        include_dir, headers)
+    entry = directory / f"{name}_{key[:16]}"
 
     with _lock:
-        library = _load_or_build(compiler, source, library_path, include_dir)
+        found: dict[str, list[str]] = {function: [] for function in functions}
+        symbols = []
+        library_path = entry / f"{name}.so"
+        for platform_name, compiler, source in builds:
+            library_path = entry / (f"{name}.so" if platform_name == "cpu" else f"{name}_cuda.so")
+            library = _load_or_build(compiler, source, library_path, include_dir)
+            for function in functions:
+                if hasattr(library, function):
+                    found[function].append(platform_name)
+                    symbols.append((function, platform_name, getattr(library, function)))
+        for function, platforms in found.items():
+            if not platforms:
+                _symbol_missing(function, cpp + "\n" + cuda, name)
         kernels = {}
-        for function in functions:
+        for function, platform_name, symbol in symbols:
             # The hash in the name keeps an edited source's kernels apart. A name
             # registered before is the same kernel (the same key), maybe from a copy
             # in another directory, which XLA refuses to register at a second address.
-            target_name = f"{name}_{digest[:16]}.{function}"
-            symbol = _symbol(library, function, cpp_source, name)
-            if target_name not in _registered:
-                api.register_ffi_target(target_name, api.pycapsule(symbol), platform="cpu")
-                _registered.add(target_name)
-            kernels[function] = FfiKernel(function, target_name, method)
-    return Extension(name, library_path, kernels)
+            target_name = f"{name}_{key[:16]}.{function}"
+            if (target_name, platform_name) not in _registered:
+                api.register_ffi_target(target_name, api.pycapsule(symbol), platform=platform_name)
+                _registered.add((target_name, platform_name))
+            kernels[function] = FfiKernel(function, target_name, method, found[function])
+    return Extension(name, entry / f"{name}.so" if cpp.strip() else library_path, kernels)
+
+
+def _joined(source: str | Sequence[str] | None) -> str:
+    """A source, or a list of sources (PyTorch's ``cpp_sources``, ``cuda_sources``), as one string."""
+    if source is None:
+        return ""
+    return source if isinstance(source, str) else "\n".join(source)
 
 
 def default_build_directory() -> pathlib.Path:
@@ -304,6 +375,8 @@ def _check_private(library_path: pathlib.Path) -> None:
 class _Compiler:
     """The C++ compiler (``$CXX``, else the first on the PATH), run directly, its output captured."""
 
+    suffix = ".cpp"
+
     def __init__(self, extra_cflags: Sequence[str], extra_ldflags: Sequence[str], verbose: bool):
         self.command = _compiler_command()
         environment = [shlex.split(os.environ.get(variable, "")) for variable in ("CPPFLAGS", "CXXFLAGS", "LDFLAGS")]
@@ -325,7 +398,7 @@ class _Compiler:
         # Build in a private directory, then rename into place: a concurrent
         # process never sees a half-written library.
         with tempfile.TemporaryDirectory(dir=library_path.parent, prefix=".build-") as work:
-            source_path = pathlib.Path(work) / f"{library_path.stem}.cpp"
+            source_path = pathlib.Path(work) / f"{library_path.stem}{self.suffix}"
             source_path.write_text(source)
             built = pathlib.Path(work) / library_path.name
             self._run([
@@ -340,10 +413,7 @@ class _Compiler:
         try:
             result = subprocess.run(list(command), capture_output=True, text=True)
         except FileNotFoundError:
-            raise BuildError(
-                f"load_inline: no C++ compiler: {command[0]!r} was not found. Install one "
-                f"(g++ or clang++), or point the CXX environment variable at it."
-            ) from None
+            raise BuildError(self.missing(command[0])) from None
         if self.verbose and (result.stdout or result.stderr):
             print(result.stdout + result.stderr, file=sys.stderr)
         if result.returncode != 0:
@@ -351,6 +421,70 @@ class _Compiler:
                 f"load_inline: building failed (exit status {result.returncode}):\n"
                 f"$ {shlex.join(command)}\n{result.stdout}{result.stderr}"
             )
+
+
+    def missing(self, command: str) -> str:
+        return (
+            f"load_inline: no C++ compiler: {command!r} was not found. Install one "
+            f"(g++ or clang++), or point the CXX environment variable at it."
+        )
+
+
+class _CudaCompiler(_Compiler):
+    """``nvcc``: ``$CUDA_HOME/bin`` (or ``$CUDA_PATH``), else the ``PATH``, else the ``nvidia-cuda-nvcc`` wheel.
+
+    The library links to the CUDA runtime that JAX's CUDA plugin loads; a
+    kernel launched on XLA's stream (``PlatformStream<cudaStream_t>``) runs
+    in order with the rest of the program.
+    """
+
+    suffix = ".cu"
+
+    def __init__(self, extra_cuda_cflags: Sequence[str], extra_ldflags: Sequence[str], verbose: bool):
+        nvcc, includes = _nvcc()
+        self.command = [nvcc]
+        self.cflags = ["-std=c++17", "-O2", "-Xcompiler", "-fPIC", *(f"-I{i}" for i in includes),
+                       *shlex.split(os.environ.get("NVCC_FLAGS", "")), *extra_cuda_cflags]
+        self.ldflags = ["-shared", *extra_ldflags]
+        self.verbose = verbose
+
+    def missing(self, command: str) -> str:
+        return (
+            f"load_inline: cuda_source needs nvcc, the CUDA compiler, which was not found ({command!r}): not in "
+            "$CUDA_HOME/bin, on the PATH, or from the nvidia-cuda-nvcc wheel. Install the CUDA toolkit (and set "
+            "CUDA_HOME), or pip install nvidia-cuda-nvcc (CUDA 13; vjpkit's cuda-build extra)."
+        )
+
+
+def _nvcc() -> tuple[str, list[str]]:
+    """The nvcc to run, and include directories it needs besides its own (the wheels' CUDA runtime headers)."""
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(variable)
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc"), []
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return on_path, []
+    for nvidia in _nvidia_wheel_dirs():
+        # pip's nvidia-cuda-nvcc: nvidia/cu13/bin/nvcc from CUDA 13 (its nvcc.profile finds the headers
+        # of nvidia-cuda-runtime and nvidia-cuda-crt, and nvidia-nvvm, installed beside it).
+        for nvcc in sorted(nvidia.glob("cu[0-9]*/bin/nvcc"), reverse=True):
+            return str(nvcc), []
+        # Older wheels' layout: nvidia/cuda_nvcc/bin/nvcc, the runtime's headers in nvidia/cuda_runtime.
+        nvcc = nvidia / "cuda_nvcc" / "bin" / "nvcc"
+        if nvcc.is_file():
+            includes = [str(d) for d in (nvidia / "cuda_runtime" / "include", nvidia / "cuda_nvcc" / "include")
+                        if d.is_dir()]
+            return str(nvcc), includes
+    return "nvcc", []  # building says that none was found
+
+
+def _nvidia_wheel_dirs() -> list[pathlib.Path]:
+    """The ``nvidia`` namespace package's directories (where NVIDIA's pip wheels install), if any."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    return [pathlib.Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
 
 
 def _compiler_command() -> list[str]:
@@ -380,15 +514,12 @@ def _content_hash(*parts: str) -> str:
     return digest.hexdigest()
 
 
-def _symbol(library: ctypes.CDLL, function: str, cpp_source: str, name: str) -> Any:
-    try:
-        return getattr(library, function)
-    except AttributeError:
-        defined = _HANDLER_SYMBOL.findall(cpp_source)
-        raise ValueError(
-            f"load_inline({name!r}): function {function!r} is not defined in the compiled source; "
-            f"the source defines {defined} with XLA_FFI_DEFINE_HANDLER_SYMBOL"
-        ) from None
+def _symbol_missing(function: str, source: str, name: str) -> None:
+    defined = _HANDLER_SYMBOL.findall(source)
+    raise ValueError(
+        f"load_inline({name!r}): function {function!r} is not defined in the compiled source; "
+        f"the source defines {defined} with XLA_FFI_DEFINE_HANDLER_SYMBOL"
+    )
 
 
 def _check_identifier(what: str, value: Any) -> None:

@@ -25,6 +25,24 @@ def ordered_effects_without_tokens(ctx: Any, effects: Any) -> list:
     return [e for e in effects if _ordered_effects.contains(e) and e not in ctx.tokens_in.effects()]
 
 
+_runtime_tokens = _require(_require_module("jax._src.dispatch"), "runtime_tokens", "jax._src.dispatch")
+
+
+def effects_barrier() -> None:
+    """``jax.effects_barrier()``, after which a failed program's error is not raised again.
+
+    Why: JAX keeps the runtime tokens of the last programs with callbacks
+    until a barrier succeeds, so after one program failed every later
+    barrier (and JAX's own at exit) would raise its error again, until
+    another program with callbacks ran on that device.
+    """
+    try:
+        jax.effects_barrier()
+    except Exception:
+        _runtime_tokens.output_runtime_tokens = {}
+        raise
+
+
 # ---------------------------------------------------------------------------
 # source_info_util: a named scope around a user's method (its ops' names in profiles).
 
