@@ -33,9 +33,11 @@ class Untraceable(NotImplementedError):
     def __init__(self, op: str, why: str = "has no JAX rule in vjpkit's trace mode", where: str = ""):
         super().__init__(op, why, where)
         self.op, self.why, self.where = op, why, where
+        self.line = ""  # the original's source line that made the call, where known
 
     def __str__(self) -> str:
-        return f"{self.where + ' calls ' if self.where else ''}{self.op}, which {self.why}"
+        line = f" (at {self.line})" if self.line else ""
+        return f"{self.where + ' calls ' if self.where else ''}{self.op}, which {self.why}{line}"
 
 
 def jax_dtype(torch_dtype: Any) -> np.dtype:
@@ -300,11 +302,8 @@ def _same(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 for _name in ("type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "short", "bool",
-              "byte", "char", "clone", "contiguous", "detach", "requires_grad_", "positive",
-              "__pos__", "new_tensor", "resolve_conj", "resolve_neg"):
-    _rule(_name, view=_name in ("detach", "contiguous"))(_same)
-RULES["torch.Tensor.data.__get__"] = _same
-VIEWS.add("torch.Tensor.data.__get__")
+              "byte", "char", "clone", "contiguous", "positive", "__pos__", "resolve_conj", "resolve_neg"):
+    _rule(_name, view=_name == "contiguous")(_same)
 
 
 def _filled(value: Any) -> Callable:
