@@ -21,9 +21,15 @@ naming it; ``mode="auto"`` then runs that original through host callbacks.
   ``needs_input_grad`` to vjpkit's ctx: vjpkit's contract holds as for a port.
 - A callable becomes a jitted JAX function that JAX differentiates.
 
+Torch's autograd semantics are kept: each stand-in that requires grad
+carries a ``_Node`` (how its value was computed), ``detach``, ``no_grad``
+and kin give ``stop_gradient`` values, and ``torch.autograd.grad`` replays
+the recorded nodes as a JAX function and takes its VJP.
+
 In-place operations replace the stand-in's value (JAX values are
-immutable); one on a view, or on a tensor a view was taken from, would
-need aliasing and raises ``Untraceable``.
+immutable). A view remembers the writes of its tensor when it was taken:
+reading it after a later write, or writing into it, would need aliasing
+and raises ``Untraceable``.
 """
 
 from __future__ import annotations
@@ -160,6 +166,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     rule = RULES.get(name)
     if rule is None:
         raise Untraceable(name)
+    if "out" in kwargs:
+        if kwargs["out"] is not None:
+            raise Untraceable(name, "writes its result into out=, which trace mode does not model (assign the result)")
+        kwargs = {k: v for k, v in kwargs.items() if k != "out"}
     metas, meta_kwargs = _tree(_to_meta, args), _tree(_to_meta, kwargs)
     try:
         out = func(*metas, **meta_kwargs)  # torch's shapes, dtypes and errors
@@ -523,7 +533,7 @@ def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_g
 
         nodes = [_Node(lambda *lv, i=i: again(*lv)[i], tuple(leaves), g, "torch.autograd.grad") if u else None
                  for i, (g, u) in enumerate(zip(found, used, strict=True))]
-    results = []
+    results: list[Any] = []
     for x, g, u, node in zip(inputs, found, used, nodes, strict=True):
         if not u and not materialize_grads:
             results.append(None)
@@ -848,7 +858,7 @@ class _NoRandomness(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, jax, contextlib))  # type: ignore[type-var]
+_LIBRARIES = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (torch, jax, contextlib))
 _HERE = os.path.dirname(__file__) + os.sep
 
 

@@ -1,0 +1,39 @@
+"""Writes the OpInfo table of docs/from_torch.md: runs every OpInfo through trace mode (tests/opinfo_oracle.py).
+
+Usage (a few minutes on 2 cores; needs torch and expecttest, the torch extra):
+
+    python scripts/opinfo_table.py            # rewrites the table in docs/from_torch.md
+    python scripts/opinfo_table.py --check    # exits 1 if the table differs from a fresh run
+"""
+
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import opinfo_oracle  # noqa: E402
+
+DOC = ROOT / "docs" / "from_torch.md"
+
+
+def main() -> int:
+    results = opinfo_oracle.run_all()
+    rows = opinfo_oracle.table_rows(results)
+    bad = [r for r in rows if r[2] in ("WRONG", "CRASH")]
+    for outcomes in results.values():
+        for case_name, o in outcomes:
+            if o.kind in ("wrong", "crash"):
+                print(o.kind, case_name, o.detail, file=sys.stderr)
+    text = DOC.read_text()
+    start, end = text.index(opinfo_oracle.TABLE_START), text.index(opinfo_oracle.TABLE_END)
+    new = text[:start] + opinfo_oracle.table_markdown(rows) + text[end + len(opinfo_oracle.TABLE_END):]
+    if "--check" in sys.argv:
+        return int(new != text or bool(bad))
+    DOC.write_text(new)
+    print(opinfo_oracle.summary(results), f"{len(bad)} OpInfos with a silent difference or a crash")
+    return int(bool(bad))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
