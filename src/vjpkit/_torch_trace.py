@@ -195,8 +195,9 @@ def _name(func: Any) -> str:
     """``torch.overrides.resolve_name``'s name; a Python function it does not know by module and name."""
     name = resolve_name(func)
     if name is None:
-        module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
-        return f"{module}.{qualname}" if module and qualname else repr(func)
+        if func is torch.autograd.grad or func is torch.autograd.backward:
+            return f"torch.autograd.{func.__name__}"
+        return getattr(func, "__qualname__", repr(func))
     # resolve_name(torch.mm) is "torch.spmm" (one object of torch's, two names); torch.spmm is sparse.
     return "torch.mm" if name == "torch.spmm" and getattr(func, "__name__", "") == "mm" else name
 
