@@ -18,6 +18,9 @@ DOC = ROOT / "docs" / "from_torch.md"
 
 
 def main() -> int:
+    if "--only" in sys.argv:  # rerun these OpInfos; the other rows stay as the table has them
+        names = sys.argv[sys.argv.index("--only") + 1:]
+        return _update(names)
     results = opinfo_oracle.run_all()
     rows = opinfo_oracle.table_rows(results)
     bad = [r for r in rows if r[2] in ("WRONG", "CRASH")]
@@ -32,6 +35,29 @@ def main() -> int:
         return int(new != text or bool(bad))
     DOC.write_text(new)
     print(opinfo_oracle.summary(results), f"{len(bad)} OpInfos with a silent difference or a crash")
+    return int(bool(bad))
+
+
+def _update(names: list) -> int:
+    text = DOC.read_text()
+    ops = [op for op in opinfo_oracle.op_db() if opinfo_oracle.full_name(op) in names]
+    results = opinfo_oracle.run_all(ops)
+    fresh = {r[0]: r for r in opinfo_oracle.table_rows(results)}
+    mapped = opinfo_oracle.mapped_names()
+    current = {opinfo_oracle.full_name(op): opinfo_oracle.torch_name(op) for op in opinfo_oracle.op_db()}
+    rows = []
+    for op_name, _, status, counts in opinfo_oracle.read_table(text):
+        if op_name in fresh:
+            rows.append(fresh[op_name])
+            continue
+        name = current[op_name]
+        if status.startswith("refused"):
+            status = "refused by its rule" if name in mapped else "refused"
+        rows.append((op_name, name, status, counts))
+    start, end = text.index(opinfo_oracle.TABLE_START), text.index(opinfo_oracle.TABLE_END)
+    DOC.write_text(text[:start] + opinfo_oracle.table_markdown(rows) + text[end + len(opinfo_oracle.TABLE_END):])
+    bad = [r for r in rows if r[2] in ("WRONG", "CRASH")]
+    print(opinfo_oracle.summary(results), bad)
     return int(bool(bad))
 
 

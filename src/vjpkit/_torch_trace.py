@@ -313,9 +313,11 @@ def _in_place(name: str, func: Any, args: tuple, kwargs: dict) -> Any:
             (_, index, value), _ = _filled(template, values)
             return set_item(values[0], index, value)
     else:
+        base = name.removesuffix("_")
+        if base not in _FILLS and base not in RULES:
+            raise Untraceable(name)
         metas, meta_kwargs = _tree(_to_meta, args), _tree(_to_meta, kwargs)
         func(metas[0].clone(), *metas[1:], **meta_kwargs)  # torch's checks: broadcasting, casting
-        base = name.removesuffix("_")
         if base in _FILLS:
             def compute(values: list) -> Any:
                 a, k = _filled(template, values)
