@@ -1,6 +1,6 @@
 """Writes the OpInfo table of docs/from_torch.md: runs every OpInfo through trace mode (tests/opinfo_oracle.py).
 
-Usage (a few minutes on 2 cores; needs torch and expecttest, the torch extra):
+Usage (about 3 CPU-minutes; needs torch, and expecttest from the test extra):
 
     python scripts/opinfo_table.py            # rewrites the table in docs/from_torch.md
     python scripts/opinfo_table.py --check    # exits 1 if the table differs from a fresh run

@@ -11,8 +11,8 @@ import pathlib
 
 import pytest
 
-torch = pytest.importorskip("torch")  # CI installs the torch extra, expecttest with it
-pytest.importorskip("expecttest", reason="torch's OpInfo database imports expecttest (the torch extra has it)")
+torch = pytest.importorskip("torch")  # CI installs the torch extra; the test extra installs expecttest
+pytest.importorskip("expecttest", reason="torch's OpInfo database imports expecttest (the test extra has it)")
 
 import opinfo_oracle as oracle  # noqa: E402
 
@@ -39,8 +39,10 @@ def test_a_slice_of_the_opinfo_database_traces_as_torch_computes_or_is_refused()
 def test_every_opinfo_traces_as_torch_computes_or_is_refused_and_the_docs_table_is_this_run():
     results = oracle.run_all()
     assert not _failures(results)
-    assert oracle.read_table(DOC.read_text()) == oracle.table_rows(results), (
-        "docs/from_torch.md's OpInfo table is not this run's: python scripts/opinfo_table.py rewrites it")
+    text = DOC.read_text()
+    if oracle.versions() in text:  # the table's own versions (CI's newest); the floor JAX checks the rest
+        assert oracle.read_table(text) == oracle.table_rows(results), (
+            "docs/from_torch.md's OpInfo table is not this run's: python scripts/opinfo_table.py rewrites it")
 
 
 def test_the_docs_table_agrees_with_the_rules_trace_mode_has():
