@@ -339,3 +339,166 @@ def test_clear_caches_empties_the_callback_routes_programs():
     vjpkit.clear_caches()
     fn(X)
     assert on_meta.count(True) == 2
+
+
+# ---------------------------------------------------------------------------
+# Rules that gave values other than torch's, or crashed: each against torch itself.
+
+
+def traced_equals_torch(fn, *arrays, **kwargs):
+    """fn traced on the arrays equals fn run by torch on the same values (dtype included)."""
+    want = fn(*[torch.from_numpy(np.array(a)) for a in arrays])
+    got = vjpkit.from_torch(fn, mode="trace")(*arrays, **kwargs)
+    want_leaves = [w for w in (want if isinstance(want, tuple) else (want,))]
+    got_leaves = list(got) if isinstance(got, tuple) else [got]
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        w = w.numpy()
+        assert np.asarray(g).dtype == jax.dtypes.canonicalize_dtype(w.dtype)
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6)
+    return got
+
+
+NONFINITE = np.array([np.inf, -np.inf, np.nan, 1.5, -0.0], np.float32)
+
+
+def test_predicates_see_nan_and_infinity():
+    for predicate in (torch.isnan, torch.isinf, torch.isfinite, torch.signbit):
+        traced_equals_torch(predicate, NONFINITE)
+
+
+def test_sign_of_nan_is_zero_and_sign_of_bool_is_itself():
+    traced_equals_torch(torch.sign, NONFINITE)
+    traced_equals_torch(torch.sign, np.array([True, False]))
+
+
+def test_clamp_with_a_nan_bound_is_nan():
+    traced_equals_torch(lambda x: torch.clamp(x, min=float("nan")), X)
+    traced_equals_torch(lambda x, hi: torch.clamp_max(x, hi), X, np.array([np.nan, 0.0, 1.0], np.float32))
+
+
+def test_unbind_cuts_along_its_dim():
+    traced_equals_torch(lambda x: torch.unbind(x, 1), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_where_method_binds_self_as_the_values():
+    traced_equals_torch(lambda x, c, y: x.where(c, y), X, np.array([True, False, True]), -X)
+
+
+def test_norm_of_minus_infinity_is_the_smallest_magnitude():
+    traced_equals_torch(lambda x: torch.norm(x, float("-inf")), X)
+    traced_equals_torch(lambda x: torch.norm(x, 2, out=None), X)
+
+
+def test_integer_pow_with_negative_exponents_is_torchs(x64):
+    base = np.array([2, -1, 1, 3, -2], np.int64)
+    traced_equals_torch(lambda b, e: torch.pow(b, e), base, np.array([-1, -3, -2, 2, -1], np.int64))
+    traced_equals_torch(lambda e: 2 ** e, np.array([-1, 0, 3], np.int64))
+
+
+def test_integer_division_rounding_toward_zero_is_exact():
+    got = traced_equals_torch(lambda x: torch.div(x, 10, rounding_mode="trunc"), np.array([123456789, -17], np.int32))
+    assert got.tolist() == [12345678, -1]
+
+
+def test_new_tensor_holds_its_data():
+    traced_equals_torch(lambda x: x.new_tensor([1, 2, 3]), X)
+
+
+def test_softplus_gradient_past_the_threshold_is_one():
+    fn = vjpkit.from_torch(lambda x: torch.nn.functional.softplus(x), mode="trace")
+    np.testing.assert_allclose(jax.grad(lambda x: fn(x).sum())(np.array([100.0, 0.0], np.float32)), [1.0, 0.5])
+
+
+def test_softmax_without_dim_takes_torchs_implicit_dim():
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 10
+    with pytest.warns(UserWarning, match="Implicit dimension choice"):
+        traced_equals_torch(lambda x: torch.nn.functional.softmax(x), x)
+
+
+def test_sort_puts_nan_first_descending_and_sorts_unsigned_integers():
+    traced_equals_torch(lambda x: torch.sort(x, descending=True, stable=True), NONFINITE[[0, 2, 3, 1]])
+    small = np.array([3, 0, 255, 7], np.uint8)
+    traced_equals_torch(lambda x: torch.sort(x, descending=True), small)
+    traced_equals_torch(lambda x: torch.topk(x, 2, largest=False), small)
+
+
+def test_torch_return_types_come_back_as_named_tuples():
+    got = vjpkit.from_torch(lambda x: torch.max(x, 1), mode="trace")(np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert type(got).__name__ == "max" and got.values.tolist() == [2.0, 5.0] and got.indices.tolist() == [2, 2]
+
+
+def test_mm_and_is_floating_point_trace():
+    fn = vjpkit.from_torch(lambda a: torch.mm(a, a.T) * torch.is_floating_point(a), mode="trace")
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert no_callback(fn, a)
+    np.testing.assert_allclose(fn(a), a @ a.T)
+
+
+def test_zero_dimensional_tensors_take_dim_0_and_minus_1():
+    x0 = np.float32(1.5)
+    traced_equals_torch(lambda x: torch.max(x, 0), x0)
+    traced_equals_torch(lambda x: (torch.softmax(x, -1), torch.cumsum(x, 0), torch.logsumexp(x, 0)), x0)
+    traced_equals_torch(lambda x, i: torch.gather(x, 0, i), x0, np.int64(0))
+
+
+def test_keyword_forms_torch_passes_trace():
+    traced_equals_torch(lambda x: (torch.nn.functional.relu(x, inplace=False), torch.flip(x, dims=[0])), X)
+    traced_equals_torch(lambda x: x[[1, 0]], X)
+
+
+def test_shape_changing_in_place_ops_change_the_shape():
+    def squeezed(x):
+        y = x.clone()
+        y.unsqueeze_(0)
+        y.t_()
+        return y.squeeze_()
+
+    traced_equals_torch(squeezed, X)
+
+
+def test_indexing_does_not_block_a_later_write_and_a_stale_view_is_refused():
+    def written(x):
+        y = x.clone()
+        first = y[0] * 2  # read before the write
+        picked = y[[0, 2]]  # a copy
+        y[1] = 5.0
+        return y + first + picked.sum()
+
+    traced_equals_torch(written, X)
+
+    def stale(x):
+        y = x.clone()
+        view = y[0]
+        y.zero_()
+        return view * 2
+
+    with pytest.raises(NotImplementedError, match=r"torch.Tensor.zero_, which writes into a tensor that a view "
+                                                  r"was taken from \(by torch.Tensor.__getitem__\)"):
+        vjpkit.from_torch(stale, mode="trace")(X)
+
+
+def test_refusals_carry_the_source_line():
+    def reads(x):
+        return x * x.max().item()
+
+    line = r"\(at .*test_from_torch_trace.py:\d+: return x \* x.max\(\).item\(\)\)"
+    with pytest.raises(NotImplementedError, match=line):
+        vjpkit.from_torch(reads, mode="trace")(X)
+
+
+def test_auto_falls_back_on_any_failure_to_trace_and_says_so():
+    def strict(x):
+        assert type(x) is torch.Tensor  # true of torch's tensors, not of trace mode's stand-ins
+        return x * 2
+
+    auto = vjpkit.from_torch(strict, mode="auto")
+    assert auto.mode is None
+    np.testing.assert_allclose(auto(X), 2 * X)
+    assert auto.mode == auto.mode_for(X) == "callback"
+    traced = vjpkit.from_torch(lambda x: x * 2, mode="auto")
+    traced(X)
+    assert traced.mode == "trace"
+    cls = vjpkit.from_torch(TorchExp, mode="auto")
+    assert cls.mode_for(X) == "trace" and cls.mode is None
+    cls.apply(X)
+    assert cls.mode == "trace"

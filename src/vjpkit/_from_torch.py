@@ -82,7 +82,9 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
             with the rest of the program (an operation with no JAX rule, or
             code that reads a value, raises ``NotImplementedError`` naming
             it); ``"auto"`` traces where the original traces on a call's
-            signature, and uses callbacks otherwise.
+            signature, and uses callbacks on any failure to trace; its
+            result's ``.mode`` says which the latest call ran (``"trace"``
+            or ``"callback"``) and ``.mode_for(*args)`` which a call runs.
 
     Returns:
         A vjpkit Function class (for a Function subclass) or its ``apply``.

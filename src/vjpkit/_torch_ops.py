@@ -33,9 +33,11 @@ class Untraceable(NotImplementedError):
     def __init__(self, op: str, why: str = "has no JAX rule in vjpkit's trace mode", where: str = ""):
         super().__init__(op, why, where)
         self.op, self.why, self.where = op, why, where
+        self.line = ""  # the original's source line that made the call, where known
 
     def __str__(self) -> str:
-        return f"{self.where + ' calls ' if self.where else ''}{self.op}, which {self.why}"
+        line = f" (at {self.line})" if self.line else ""
+        return f"{self.where + ' calls ' if self.where else ''}{self.op}, which {self.why}{line}"
 
 
 def jax_dtype(torch_dtype: Any) -> np.dtype:
@@ -79,7 +81,17 @@ def _in(out: Any, *xs: Any) -> list:
 def _dims(dim: Any, ndim: int) -> tuple[int, ...] | None:
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
         return None
-    return tuple(d % max(ndim, 1) for d in (dim if isinstance(dim, (tuple, list)) else (dim,)))
+    if ndim == 0:  # torch accepts dim 0 and -1 of a 0-d tensor: nothing to reduce
+        return ()
+    return tuple(d % ndim for d in (dim if isinstance(dim, (tuple, list)) else (dim,)))
+
+
+def _on_vector(fn: Callable, x: Any, dim: int, *more: Any) -> Any:
+    """``fn(x, dim, *more)``; a 0-d ``x`` (and ``more``) as 1-d along dim 0, as torch treats it."""
+    if jnp.ndim(x) > 0:
+        return fn(x, dim, *more)
+    result = fn(jnp.reshape(x, (1,)), 0, *(jnp.reshape(m, (1,)) if jnp.ndim(m) == 0 else m for m in more))
+    return jax.tree_util.tree_map(lambda r: jnp.reshape(r, ()) if jnp.ndim(r) == 1 else r, result)
 
 
 def _sizes(size: tuple) -> tuple:
@@ -104,11 +116,10 @@ _ARITHMETIC: dict[str, Callable[..., Any]] = {
     "asin arcsin": jnp.arcsin, "acos arccos": jnp.arccos, "atan arctan": jnp.arctan, "sinh": jnp.sinh,
     "cosh": jnp.cosh, "tanh": jnp.tanh, "asinh arcsinh": jnp.arcsinh, "acosh arccosh": jnp.arccosh,
     "atanh arctanh": jnp.arctanh, "sigmoid": jax.nn.sigmoid, "erf": lax.erf, "erfc": lax.erfc,
-    "abs absolute __abs__": jnp.abs, "neg negative __neg__": jnp.negative, "sign sgn": jnp.sign,
+    "abs absolute __abs__": lambda x: _abs(x), "neg negative __neg__": jnp.negative,
     "floor": jnp.floor, "ceil": jnp.ceil, "trunc fix": jnp.trunc, "frac": lambda x: x - jnp.trunc(x),
     "reciprocal": jnp.reciprocal, "square": jnp.square, "deg2rad": jnp.deg2rad, "rad2deg": jnp.rad2deg,
-    "logical_not": jnp.logical_not, "bitwise_not __invert__": jnp.invert, "isnan": jnp.isnan,
-    "isinf": jnp.isinf, "isfinite": jnp.isfinite, "signbit": jnp.signbit,
+    "logical_not": jnp.logical_not, "bitwise_not __invert__": jnp.invert,
     "add __add__ __radd__": lambda x, y, alpha=1: x + (y if alpha == 1 else alpha * y),
     "sub subtract __sub__": lambda x, y, alpha=1: x - (y if alpha == 1 else alpha * y),
     "rsub __rsub__": lambda x, y, alpha=1: y - (x if alpha == 1 else alpha * x),
@@ -116,7 +127,8 @@ _ARITHMETIC: dict[str, Callable[..., Any]] = {
     "true_divide __truediv__": jnp.true_divide, "__rtruediv__": lambda x, y: y / x,
     "floor_divide __floordiv__": jnp.floor_divide, "__rfloordiv__": lambda x, y: y // x,
     "remainder __mod__": jnp.remainder, "__rmod__": lambda x, y: jnp.remainder(y, x), "fmod": jnp.fmod,
-    "pow __pow__ float_power": jnp.power, "__rpow__": lambda x, y: jnp.power(y, x), "atan2 arctan2": jnp.arctan2,
+    "pow __pow__ float_power": lambda x, y: _power(x, y), "__rpow__": lambda x, y: _power(y, x),
+    "atan2 arctan2": jnp.arctan2,
     "maximum": jnp.maximum, "minimum": jnp.minimum, "fmax": jnp.fmax, "fmin": jnp.fmin, "hypot": jnp.hypot,
     "copysign": jnp.copysign, "xlogy": jax.scipy.special.xlogy, "logaddexp": jnp.logaddexp,
     "logical_and": jnp.logical_and, "logical_or": jnp.logical_or, "logical_xor": jnp.logical_xor,
@@ -127,13 +139,61 @@ _ARITHMETIC: dict[str, Callable[..., Any]] = {
 for _names, _fn in _ARITHMETIC.items():
     _elementwise(_names, _fn)
 
+
+def _predicate(names: str, fn: Callable) -> None:
+    """``isnan`` and kin: on the input's own dtype (a cast to the bool result first would lose NaN)."""
+    _rule(*names.split())(lambda out, input: fn(input))
+
+
+for _names, _fn in {"isnan": jnp.isnan, "isinf": jnp.isinf, "isfinite": jnp.isfinite,
+                    "signbit": jnp.signbit, "isposinf": jnp.isposinf, "isneginf": jnp.isneginf,
+                    "isreal": jnp.isreal}.items():
+    _predicate(_names, _fn)
+
+
+@_rule("sign", "sgn")
+def _sign(out: Any, input: Any) -> Any:
+    (x,) = _in(out, input)
+    if x.dtype == jnp.bool_:
+        return x
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.where(jnp.isnan(x), jnp.zeros_like(x), jnp.sign(x))  # torch: sign(nan) is 0
+    return jnp.sign(x)
+
+
+def _abs(x: Any) -> Any:
+    """``|x|``, whose gradient at 0 is torch's 0 (jnp.abs's is 1)."""
+    if jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        return x * _torch_sign(lax.stop_gradient(x))
+    return jnp.abs(x)
+
+
+def _torch_sign(x: Any) -> Any:
+    return jnp.where(jnp.isnan(x), jnp.zeros_like(x), jnp.sign(x))
+
+
+def _power(x: Any, y: Any) -> Any:
+    """``jnp.power``; for integers, torch's negative exponents: 0, except for the bases 1 and -1."""
+    result = jnp.power(x, y)
+    dtype = jnp.result_type(result)
+    if not jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return result
+    exponent = jnp.asarray(y)
+    if not jnp.issubdtype(exponent.dtype, jnp.integer):
+        return result
+    base = jnp.asarray(x).astype(dtype)
+    safe = jnp.power(base, jnp.maximum(exponent, 0))
+    odd = (exponent % 2) != 0
+    negative = jnp.where(base == 1, 1, jnp.where(base == -1, jnp.where(odd, -1, 1), 0)).astype(dtype)
+    return jnp.where(exponent < 0, negative, safe)
+
 _ACTIVATIONS: dict[str, Callable[..., Any]] = {  # also in torch.nn.functional
-    "relu": jax.nn.relu, "relu6": jax.nn.relu6, "silu": jax.nn.silu, "selu": jax.nn.selu,
+    "relu": lambda x, inplace=False: jax.nn.relu(x), "relu6": lambda x, inplace=False: jax.nn.relu6(x),
+    "silu": lambda x, inplace=False: jax.nn.silu(x), "selu": lambda x, inplace=False: jax.nn.selu(x),
     "logsigmoid": jax.nn.log_sigmoid, "hardsigmoid": lambda x, inplace=False: jnp.clip(x / 6 + 0.5, 0, 1),
     "hardswish": lambda x, inplace=False: x * jnp.clip(x / 6 + 0.5, 0, 1),
     "mish": lambda x, inplace=False: x * jnp.tanh(jax.nn.softplus(x)),
-    "softplus": lambda x, beta=1.0, threshold=20.0: jnp.where(x * beta > threshold, x,
-                                                              jnp.log1p(jnp.exp(beta * x)) / beta),
+    "softplus": lambda x, beta=1.0, threshold=20.0: _softplus(x, beta, threshold),
     "elu": lambda x, alpha=1.0, inplace=False: jax.nn.elu(x, alpha),
     "leaky_relu": lambda x, negative_slope=0.01, inplace=False: jax.nn.leaky_relu(x, negative_slope),
     "gelu": lambda x, approximate="none": jax.nn.gelu(x, approximate=approximate == "tanh"),
@@ -143,13 +203,30 @@ for _names, _fn in _ACTIVATIONS.items():
     _elementwise(_names, _fn, functional=True)
 
 
+def _softplus(x: Any, beta: Any, threshold: Any) -> Any:
+    linear = x * beta > threshold
+    # exp of the linear region's inputs would overflow, and its NaN gradient would leak through the where.
+    return jnp.where(linear, x, jnp.log1p(jnp.exp(jnp.where(linear, 0, beta * x))) / beta)
+
+
 def _clamp_values(x: Any, low: Any, high: Any) -> Any:
     # torch's clamp passes the gradient on its bounds (min <= x <= max); jnp.clip halves it there.
+    # A NaN bound gives NaN, as in torch.
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        if low is not None:
+            x = jnp.where(x < low, low, x)
+        if high is not None:
+            x = jnp.where(x > high, high, x)
+        return x
+    bounded = lax.stop_gradient(x)
+    inside = jnp.ones(jnp.shape(x), bool)  # torch's gradient mask: min <= x <= max (False at NaN)
     if low is not None:
-        x = jnp.where(x < low, low, x)
+        bounded = jnp.where((bounded < low) | jnp.isnan(low), low, bounded)
+        inside = inside & (x >= low)
     if high is not None:
-        x = jnp.where(x > high, high, x)
-    return x
+        bounded = jnp.where((bounded > high) | jnp.isnan(high), high, bounded)
+        inside = inside & (x <= high)
+    return jnp.where(inside, x, bounded)
 
 
 @_rule("clamp", "clip")
@@ -178,15 +255,25 @@ def _div(out: Any, input: Any, other: Any, *, rounding_mode: str | None = None) 
     x, y = _in(out, input, other)
     if rounding_mode is None:
         return jnp.true_divide(x, y)
-    return jnp.floor_divide(x, y) if rounding_mode == "floor" else jnp.trunc(jnp.true_divide(x, y)).astype(x.dtype)
+    if rounding_mode == "floor":
+        return jnp.floor_divide(x, y)
+    if jnp.issubdtype(jnp.result_type(x, y), jnp.integer):  # in integers: through floats, it would round
+        dtype = jax_dtype(out.dtype)
+        return lax.div(jnp.asarray(x, dtype), jnp.broadcast_to(jnp.asarray(y, dtype), jnp.shape(x)))
+    return jnp.trunc(jnp.true_divide(x, y))
 
 
-@_rule("where")
+@_rule("where", method=False)
 def _where(out: Any, condition: Any, input: Any = None, other: Any = None) -> Any:
     if input is None:
         raise Untraceable("torch.where(condition)", "has a data-dependent shape")
     x, y = _in(out, input, other)
     return jnp.where(condition, x, y)
+
+
+@_rule("where", function=False)
+def _where_method(out: Any, input: Any, condition: Any, other: Any) -> Any:
+    return _where(out, condition, input, other)
 
 
 @_rule("masked_fill")
@@ -235,7 +322,8 @@ def _extremum(which: str) -> Callable:
             return pairwise(*_in(out, input, dim))
         if dim is None:
             return values(input)
-        return values(input, axis=dim, keepdims=keepdim), index(input, axis=dim, keepdims=keepdim)
+        return _on_vector(lambda x, d: (values(x, axis=d, keepdims=keepdim), index(x, axis=d, keepdims=keepdim)),
+                          input, dim)
 
     return rule
 
@@ -247,7 +335,8 @@ for _which in ("max", "min"):
 for _which, _fn in (("argmax", jnp.argmax), ("argmin", jnp.argmin)):
     RULES[f"torch.{_which}"] = RULES[f"torch.Tensor.{_which}"] = (
         lambda out, input, dim=None, keepdim=False, _fn=_fn:
-        _fn(input, axis=dim, keepdims=keepdim) if dim is not None else _fn(input.reshape(-1)).reshape(out.shape))
+        _on_vector(lambda x, d: _fn(x, axis=d, keepdims=keepdim), input, dim) if dim is not None
+        else _fn(input.reshape(-1)).reshape(out.shape))
 
 
 for _which, _fn in (("var", jnp.var), ("std", jnp.std)):
@@ -262,15 +351,21 @@ for _which, _fn in (("var", jnp.var), ("std", jnp.std)):
 
 
 RULES["torch.cumsum"] = RULES["torch.Tensor.cumsum"] = (
-    lambda out, input, dim, *, dtype=None: jnp.cumsum(_in(out, input)[0], axis=dim))
+    lambda out, input, dim, *, dtype=None: _on_vector(lambda x, d: jnp.cumsum(x, axis=d), _in(out, input)[0], dim))
 RULES["torch.cumprod"] = RULES["torch.Tensor.cumprod"] = (
-    lambda out, input, dim, *, dtype=None: jnp.cumprod(_in(out, input)[0], axis=dim))
+    lambda out, input, dim, *, dtype=None: _on_vector(lambda x, d: jnp.cumprod(x, axis=d), _in(out, input)[0], dim))
+
+
+def _softmax_dim(ndim: int) -> int:
+    """torch's implicit softmax dim (deprecated): 0 for 0-, 1- and 3-d inputs, else 1."""
+    return 0 if ndim in (0, 1, 3) else 1
 
 
 for _which, _fn in (("softmax", jax.nn.softmax), ("log_softmax", jax.nn.log_softmax)):
     for _key in (f"torch.{_which}", f"torch.Tensor.{_which}", f"torch.nn.functional.{_which}"):
         RULES[_key] = (lambda out, input, dim=None, _stacklevel=3, dtype=None, _fn=_fn:
-                       _fn(*_in(out, input), axis=dim if dim is not None else -1))
+                       _on_vector(lambda x, d: _fn(x, axis=d), _in(out, input)[0],
+                                  _softmax_dim(jnp.ndim(input)) if dim is None else dim))
 
 
 # ---------------------------------------------------------------------------
@@ -300,11 +395,8 @@ def _same(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 for _name in ("type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "short", "bool",
-              "byte", "char", "clone", "contiguous", "detach", "requires_grad_", "positive",
-              "__pos__", "new_tensor", "resolve_conj", "resolve_neg"):
-    _rule(_name, view=_name in ("detach", "contiguous"))(_same)
-RULES["torch.Tensor.data.__get__"] = _same
-VIEWS.add("torch.Tensor.data.__get__")
+              "byte", "char", "clone", "contiguous", "positive", "__pos__", "resolve_conj", "resolve_neg"):
+    _rule(_name, view=_name == "contiguous")(_same)
 
 
 def _filled(value: Any) -> Callable:
@@ -331,7 +423,7 @@ def _new_full(out: Any, input: Any, size: Any, fill_value: Any, **kwargs: Any) -
 
 @_rule("transpose", "swapaxes", "swapdims", view=True)
 def _transpose(out: Any, input: Any, dim0: int, dim1: int) -> Any:
-    return jnp.swapaxes(input, dim0, dim1)
+    return jnp.swapaxes(input, dim0, dim1) if input.ndim else input
 
 
 @_rule("permute", view=True)
@@ -355,8 +447,8 @@ def _movedim(out: Any, input: Any, source: Any, destination: Any) -> Any:
 
 
 @_rule("flip")
-def _flip(out: Any, input: Any, *dims: Any) -> Any:
-    return jnp.flip(input, _sizes(dims))
+def _flip(out: Any, input: Any, *dims: Any, **kwargs: Any) -> Any:
+    return jnp.flip(input, _dims(_sizes(dims) if dims else kwargs["dims"], input.ndim) or ())
 
 
 @_rule("roll")
@@ -395,8 +487,13 @@ def _pieces(out: Any, input: Any, *args: Any, dim: int = 0, **kwargs: Any) -> tu
     return tuple(c.reshape(tuple(m.shape)) for c, m in zip(cut, out, strict=True))
 
 
-for _name in ("split", "chunk", "unbind", "tensor_split"):
+for _name in ("split", "chunk", "tensor_split"):
     _rule(_name, view=True)(_pieces)
+
+
+@_rule("unbind", view=True)
+def _unbind(out: Any, input: Any, dim: int = 0) -> tuple:
+    return tuple(jnp.moveaxis(input, dim, 0))
 
 
 @_rule("cat", "concat", "concatenate", method=False)
@@ -419,6 +516,10 @@ def index_of(index: Any) -> Any:
     for part in parts:
         if isinstance(part, jax.Array) and part.dtype == jnp.bool_:
             raise Untraceable("indexing with a boolean mask", "has a data-dependent shape")
+    if isinstance(index, list):  # x[[1, 0]]: torch reads a list as an index array
+        return jnp.asarray(index)
+    if isinstance(index, tuple):
+        return tuple(jnp.asarray(p) if isinstance(p, list) else p for p in index)
     return index
 
 
@@ -447,7 +548,7 @@ def _along(index: Any, dim: int) -> tuple:
 
 @_rule("gather")
 def _gather(out: Any, input: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
-    return input[_along(index, dim % input.ndim)]
+    return _on_vector(lambda x, d, i: x[_along(i, d % x.ndim)], input, dim, index)
 
 
 @_rule("take_along_dim")
@@ -465,12 +566,16 @@ def _scatter_rule(add: bool) -> Callable:
         if not isinstance(src, jax.Array) or src.ndim == 0:
             src = jnp.broadcast_to(jnp.asarray(src, input.dtype), index.shape)
         src = src[tuple(slice(0, n) for n in index.shape)].astype(input.dtype)
-        at = input.at[_along(index, dim % input.ndim)]
-        if add or reduce == "add":
-            return at.add(src)
-        if reduce == "multiply":
-            return at.multiply(src)
-        return at.set(src)
+
+        def scatter(x: Any, d: int, i: Any, s: Any) -> Any:
+            at = x.at[_along(i, d % x.ndim)]
+            if add or reduce == "add":
+                return at.add(s) if x.dtype != jnp.bool_ else at.max(s)  # bool: or
+            if reduce == "multiply":
+                return at.multiply(s) if x.dtype != jnp.bool_ else at.min(s)  # bool: and
+            return at.set(s)
+
+        return _on_vector(scatter, input, dim, index, src)
 
     return rule
 
@@ -486,33 +591,49 @@ def _one_hot(out: Any, tensor: Any, num_classes: int = -1) -> Any:
 
 @_rule("index_select")
 def _index_select(out: Any, input: Any, dim: int, index: Any) -> Any:
-    return jnp.take(input, index, axis=dim)
+    return _on_vector(lambda x, d, i: jnp.take(x, i.reshape(-1), axis=d), input, dim, index)
 
 
 @_rule("index_add")
 def _index_add(out: Any, input: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
-    dim = dim % input.ndim
-    where = (slice(None),) * dim + (index,)
-    return input.at[where].add((source if alpha == 1 else alpha * source).astype(input.dtype))
+    def add(x: Any, d: int, i: Any, s: Any) -> Any:
+        where = (slice(None),) * (d % x.ndim) + (i.reshape(-1),)
+        s = s.astype(x.dtype)
+        return x.at[where].add(s if alpha == 1 else alpha * s) if x.dtype != jnp.bool_ else x.at[where].max(s)
+
+    return _on_vector(add, input, dim, index, source)
 
 
 @_rule("index_fill")
 def _index_fill(out: Any, input: Any, dim: int, index: Any, value: Any) -> Any:
-    return input.at[(slice(None),) * (dim % input.ndim) + (index,)].set(jnp.asarray(value, input.dtype))
+    return _on_vector(lambda x, d, i: x.at[(slice(None),) * (d % x.ndim) + (i.reshape(-1),)].set(
+        jnp.asarray(value, x.dtype)), input, dim, index)
 
 
 @_rule("topk")
 def _topk(out: Any, input: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple:
-    x = jnp.moveaxis(input, dim, -1)
-    values, indices = lax.top_k(x if largest else -x, k)  # sorted: torch's unsorted order is unspecified
-    values = values if largest else -values
-    return jnp.moveaxis(values, -1, dim), jnp.moveaxis(indices, -1, dim)
+    # Sorted (torch's unsorted order is unspecified); NaN counts as the largest, as in torch.
+    values, indices = _sort(out, input, dim, descending=largest)
+    return (_on_vector(lambda v, d: lax.slice_in_dim(v, 0, k, axis=d), values, dim),
+            _on_vector(lambda i, d: lax.slice_in_dim(i, 0, k, axis=d), indices, dim))
+
+
+def _descending_key(x: Any) -> list:
+    """Sort keys that order ``x`` from largest to smallest, NaN first (torch's order), without overflow."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return [~jnp.isnan(x), -x]
+    return [~x if x.dtype != jnp.bool_ else jnp.logical_not(x)]
 
 
 @_rule("sort")
 def _sort(out: Any, input: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> tuple:
-    order = jnp.argsort(-input if descending else input, axis=dim, stable=True)
-    return jnp.take_along_axis(input, order, axis=dim), order
+    def sort(x: Any, d: int) -> tuple:
+        iota = lax.broadcasted_iota(jax.dtypes.canonicalize_dtype(jnp.int64), x.shape, d % x.ndim)
+        keys = _descending_key(x) if descending else [x]
+        *_, values, order = lax.sort((*keys, x, iota), dimension=d % x.ndim, is_stable=True, num_keys=len(keys))
+        return values, order
+
+    return _on_vector(sort, input, dim)
 
 
 @_rule("argsort")
@@ -563,14 +684,32 @@ def _dot(out: Any, input: Any, other: Any) -> Any:
 
 
 @_rule("norm")
-def _norm(out: Any, input: Any, p: Any = "fro", dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
-    (x,) = _in(out, input)
-    axis = _dims(dim, x.ndim)
-    if p in ("fro", 2, 2.0):
-        return jnp.sqrt(jnp.sum(x * x, axis=axis, keepdims=keepdim))
-    if p in (math.inf, float("inf")):
-        return jnp.max(jnp.abs(x), axis=axis, keepdims=keepdim)
-    return jnp.sum(jnp.abs(x) ** p, axis=axis, keepdims=keepdim) ** (1.0 / p)
+def _norm(result: Any, input: Any, p: Any = "fro", dim: Any = None, keepdim: bool = False, out: Any = None,
+          dtype: Any = None) -> Any:
+    if p is None:
+        p = "fro"
+    if isinstance(p, str) and p != "fro" or out is not None:
+        raise Untraceable("torch.norm", f"is traced for p='fro' and numbers (got p={p!r}) without out=")
+    (x,) = _in(result, input)
+    return _vector_norm(x, 2 if p == "fro" else p, _dims(dim, x.ndim), keepdim)
+
+
+def _vector_norm(x: Any, p: Any, axis: Any, keepdim: bool) -> Any:
+    a = jnp.abs(x)
+    if p == math.inf:
+        return jnp.max(a, axis=axis, keepdims=keepdim)
+    if p == -math.inf:
+        return jnp.min(a, axis=axis, keepdims=keepdim)
+    if p == 0:
+        return jnp.sum((a != 0).astype(a.dtype), axis=axis, keepdims=keepdim)
+    if p == 1:
+        return jnp.sum(a, axis=axis, keepdims=keepdim)
+    if p == 2:
+        # torch's gradient of the 2-norm at 0 is 0 (a subgradient); sqrt's would be NaN.
+        squares = jnp.sum(jnp.real(x * jnp.conj(x)), axis=axis, keepdims=keepdim)
+        zero = squares == 0
+        return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, 1, squares)))
+    return jnp.sum(a ** p, axis=axis, keepdims=keepdim) ** (1.0 / p)
 
 
 def _install_comparisons() -> None:
@@ -586,3 +725,61 @@ _install_comparisons()
 for _name in ("einsum", "split", "norm"):
     RULES[f"torch.functional.{_name}"] = RULES[f"torch.{_name}"]
 VIEWS.add("torch.functional.split")
+
+
+# ---------------------------------------------------------------------------
+# Norms, padding, diagonals and broadcasting.
+
+
+def _norm_dims(dim: Any, ndim: int) -> Any:
+    return None if dim is None else _dims(dim, ndim)
+
+
+@_rule("linalg.vector_norm", method=False)
+def _linalg_vector_norm(out: Any, x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,
+                        dtype: Any = None) -> Any:
+    (x,) = _in(out, x) if dtype is not None else (x,)
+    return _vector_norm(x, ord, _norm_dims(dim, x.ndim), keepdim)
+
+
+@_rule("linalg.norm", method=False)
+def _linalg_norm(out: Any, A: Any, ord: Any = None, dim: Any = None, keepdim: bool = False, *,
+                 dtype: Any = None) -> Any:
+    (x,) = _in(out, A) if dtype is not None else (A,)
+    axis = _norm_dims(dim, x.ndim)
+    if ord is None or ord == "fro" and (axis is None and x.ndim == 2 or axis is not None and len(axis) == 2):
+        return _vector_norm(x, 2, axis, keepdim)
+    if not isinstance(ord, str) and (axis is not None and len(axis) == 1 or axis is None and x.ndim == 1):
+        return _vector_norm(x, ord, axis, keepdim)
+    raise Untraceable("torch.linalg.norm", f"is traced for vector norms and 'fro' (got ord={ord!r})")
+
+
+@_rule("diag_embed")
+def _diag_embed(out: Any, input: Any, offset: int = 0, dim1: int = -2, dim2: int = -1) -> Any:
+    n = input.shape[-1]
+    m = n + abs(offset)
+    rows, cols = jnp.arange(n) + max(-offset, 0), jnp.arange(n) + max(offset, 0)
+    square = jnp.zeros((*input.shape[:-1], m, m), input.dtype).at[..., rows, cols].set(input)
+    return jnp.moveaxis(square, (-2, -1), (dim1 % out.ndim, dim2 % out.ndim))
+
+
+_PAD_MODES = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+@_rule("pad", functional=True, method=False, function=False)
+def _pad(out: Any, input: Any, pad: Any, mode: str = "constant", value: Any = None) -> Any:
+    pairs = [(0, 0)] * (input.ndim - len(pad) // 2) + [(pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)][::-1]
+    if mode == "constant":
+        fill = jnp.asarray(0 if value is None else value, input.dtype)
+        return lax.pad(input, fill, [(lo, hi, 0) for lo, hi in pairs])  # negative pads crop, as in torch
+    if mode not in _PAD_MODES or any(lo < 0 or hi < 0 for lo, hi in pairs):
+        raise Untraceable("torch.nn.functional.pad", f"is traced for mode {mode!r} with positive pads only")
+    return jnp.pad(input, pairs, mode=_PAD_MODES[mode])
+
+
+def _broadcast_tensors(out: Any, *tensors: Any) -> tuple:
+    return tuple(jnp.broadcast_to(t, tuple(o.shape)) for t, o in zip(tensors, out, strict=True))
+
+
+RULES["torch.broadcast_tensors"] = RULES["torch.functional.broadcast_tensors"] = _broadcast_tensors
+VIEWS.update({"torch.broadcast_tensors", "torch.functional.broadcast_tensors"})
