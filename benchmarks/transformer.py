@@ -173,17 +173,16 @@ def mib(n):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps: rougher figures, sooner")
-    parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out")
-    parser.add_argument("--no-torch-compile", action="store_true", help="leave torch.compile out")
-    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(),
-                        help="PyTorch's intra-op threads; default: every core, as XLA uses")
     parser.add_argument("--memory-contexts", type=int, nargs="+", default=list(MEMORY_CONTEXTS), metavar="T",
                         help="context lengths of the memory figures")
     parser.add_argument("--memory-only", action="store_true", help="only the memory figures (nothing executed)")
     parser.add_argument("--json", metavar="PATH", help="write the figures there (benchmarks/_plots.py)")
     parser.add_argument("--plots", metavar="DIR", help="draw transformer_memory.png and transformer_tokens.png there")
+    parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out")
+    parser.add_argument("--no-torch-compile", action="store_true", help="leave torch.compile out")
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(),
+                        help="PyTorch's intra-op threads; default: every core, as XLA uses")
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
     steps = 5 if args.quick else 20
 
     device = jax.devices()[0]
@@ -191,6 +190,7 @@ def main():
           f"load average {os.getloadavg()[0]:.1f}; {CONFIG.layers} layers, width {CONFIG.width}, "
           f"{CONFIG.heads} heads, batch {BATCH}, attention block {CONFIG.block}")
 
+    load_before = os.getloadavg()[0]
     # --- JAX: memory plans, residuals and HLO size at every context length.
     memory_rows, figures_of = [], {"memory": [], "steps": []}
     for context in args.memory_contexts:
