@@ -161,16 +161,21 @@ def throughput_plot(data: dict[str, Any], path: str | os.PathLike, gpu: dict[str
                         if (i, k) == (0, 1) else None)
             cpu_ax.errorbar(q2, y, xerr=[[q2 - q1], [q3 - q2]], color="black", capsize=3, lw=1)
         aa = by_name.get(f"{base} (A/A)", {}).get("aa")
-        ratio = by_name[base].get("per_autodiff")
+        ratio = by_name[base].get("per_autodiff") if base != "autodiff" else None
         label = f" {by_name[base]['tokens_per_s']:,.0f}/s" + (f", {ratio:.2f}× autodiff's time" if ratio else "") + \
-            (f" (A/A {aa:.2f})" if aa else "")
-        cpu_ax.text(by_name[base]["tokens_per_s"] * 0.02, i - 0.2, label, va="center", fontsize=7, color="white")
+            (f"; A/A {aa:.2f}" if aa else "")
+        right_end = max(max(tokens / (ms / 1e3) for ms in by_name[n]["samples_ms"]) for n in (base, f"{base} (A/A)")
+                        if n in by_name)
+        cpu_ax.text(right_end, i, label, va="center", fontsize=7)
+    best = max(r["tokens_per_s"] for r in steps)
+    cpu_ax.set_xlim(0, best * 1.75)
     cpu_ax.set_yticks(range(len(bases)), bases)
     cpu_ax.invert_yaxis()
     cpu_ax.set_xlabel("tokens per second (bar: median step; whisker: quartiles of steps)")
     cpu_ax.set_title(f"CPU, context {data['context']}, {tokens} tokens a step, "
                      f"PyTorch on {data['torch_threads']} thread(s)", fontsize=9)
-    cpu_ax.legend(fontsize=7, loc="lower right")
+    if any(name.endswith(" (A/A)") for name in by_name):
+        cpu_ax.legend(fontsize=7, loc="lower right")
     cpu_ax.grid(True, axis="x", alpha=0.3)
     if gpu is None:
         gpu_ax.text(0.5, 0.5, NOT_MEASURED, ha="center", va="center", fontsize=12, color="gray",
@@ -244,6 +249,9 @@ def gradcheck_plot(data: dict[str, Any], path: str | os.PathLike) -> None:
                        label=f"{mode}: torch / vjpkit")
     right.axhline(1.0, color="black", lw=0.8)
     right.set_yscale("log")
+    top = max(max(r["torch_over_vjpkit"].values()) for r in rows)
+    marks = [m for m in (0.5, 1, 2, 5, 10, 20, 50, 100, 200) if m <= top * 2]
+    right.set_yticks(marks, [f"{m:g}×" for m in marks])
     right.set_ylabel("torch's time / vjpkit's (median of paired ratios)")
     right.set_title("How many times faster vjpkit checks", fontsize=9)
     for ax in (left, right):
