@@ -60,12 +60,15 @@ def write_json(path: str | os.PathLike, figures: dict[str, Any], load_before: fl
     print(f"figures: {path}")
 
 
+def load_text(env: dict[str, Any]) -> str:
+    """The load average at the start and end of a run: "load average 14–18"."""
+    low, high = sorted(env["load_average"])
+    return f"load average {low:.0f}–{high:.0f}" if round(low) != round(high) else f"load average {low:.0f}"
+
+
 def machine_line(env: dict[str, Any]) -> str:
     """One line for a plot: the machine, its load during the run, JAX, the date."""
-    low, high = env["load_average"]
-    load = f"load average {min(low, high):.0f}–{max(low, high):.0f}" if round(low) != round(high) else \
-        f"load average {low:.0f}"
-    return f"{env['cpu_count']}-core {env['cpu']} CPU, {load}, JAX {env['jax']}, {env['date_utc']} UTC"
+    return f"{env['cpu_count']}-core {env['cpu']} CPU, {load_text(env)}, JAX {env['jax']}, {env['date_utc']} UTC"
 
 
 def _pyplot():
@@ -74,6 +77,8 @@ def _pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # The docs show a figure about 700 pixels wide: large type survives the scaling.
+    plt.rcParams.update({"font.size": 12, "legend.fontsize": 10, "axes.titlesize": 12})
     return plt
 
 
@@ -112,7 +117,8 @@ def memory_plot(data: dict[str, Any], path: str | os.PathLike) -> None:
     left.set_xlabel("context length T (tokens)")
     left.set_ylabel("MiB")
     left.set_title("Memory a training step keeps (batch 8)")
-    left.legend(fontsize=8)
+    left.set_ylim(top=left.get_ylim()[1] * 60)  # room for the legend above the lines
+    left.legend(loc="upper left", fontsize=9)
     ratio = [r["vjpkit_residual_bytes"] / r["autodiff_residual_bytes"] for r in rows]
     right.loglog(t, ratio, "o-", color="C0", label="attention residuals, vjpkit / autodiff")
     # The 1/T line through the first point: what "falls as 1/T" predicts for the others.
@@ -123,12 +129,12 @@ def memory_plot(data: dict[str, Any], path: str | os.PathLike) -> None:
     right.set_xlabel("context length T (tokens)")
     right.set_ylabel("vjpkit / autodiff")
     right.set_title("Ratio: falls as 1/T")
-    right.legend(fontsize=8)
+    right.legend(loc="upper right", fontsize=9)
     for ax in (left, right):
         _ticks(ax, t)
         ax.grid(True, which="both", alpha=0.3)
     fig.suptitle("Character transformer: memory against context (computed by XLA and jax.eval_shape; "
-                 "nothing executed)\n" + machine_line(data["environment"]), fontsize=9)
+                 "nothing executed)\n" + machine_line(data["environment"]), fontsize=11)
     _save(fig, path)
 
 
@@ -166,16 +172,16 @@ def throughput_plot(data: dict[str, Any], path: str | os.PathLike, gpu: dict[str
             (f"; A/A {aa:.2f}" if aa else "")
         right_end = max(max(tokens / (ms / 1e3) for ms in by_name[n]["samples_ms"]) for n in (base, f"{base} (A/A)")
                         if n in by_name)
-        cpu_ax.text(right_end, i, label, va="center", fontsize=7)
+        cpu_ax.text(right_end, i, label, va="center", fontsize=10)
     best = max(r["tokens_per_s"] for r in steps)
-    cpu_ax.set_xlim(0, best * 1.75)
+    cpu_ax.set_xlim(0, best * 2.4)
     cpu_ax.set_yticks(range(len(bases)), bases)
     cpu_ax.invert_yaxis()
     cpu_ax.set_xlabel("tokens per second (bar: median step; whisker: quartiles of steps)")
     cpu_ax.set_title(f"CPU, context {data['context']}, {tokens} tokens a step, "
-                     f"PyTorch on {data['torch_threads']} thread(s)", fontsize=9)
+                     f"PyTorch on {data['torch_threads']} thread(s)", fontsize=11)
     if any(name.endswith(" (A/A)") for name in by_name):
-        cpu_ax.legend(fontsize=7, loc="lower right")
+        cpu_ax.legend(loc="lower right")
     cpu_ax.grid(True, axis="x", alpha=0.3)
     if gpu is None:
         gpu_ax.text(0.5, 0.5, NOT_MEASURED, ha="center", va="center", fontsize=12, color="gray",
@@ -187,7 +193,7 @@ def throughput_plot(data: dict[str, Any], path: str | os.PathLike, gpu: dict[str
         _gpu_panel(gpu_ax, gpu)
     fig.suptitle("Character transformer: one training step, tokens per second\n"
                  + machine_line(data["environment"]) + "; ratios are medians of paired neighbouring steps",
-                 fontsize=9)
+                 fontsize=11)
     _save(fig, path)
 
 
@@ -201,33 +207,38 @@ def _gpu_panel(ax: Any, gpu: dict[str, Any]) -> None:
                   label=f"{name}, {dtype}")
     ax.set_xlabel("context length")
     ax.set_ylabel("tokens per second")
-    ax.set_title(" ".join(gpu.get("preamble", ["GPU"])[:1])[:60], fontsize=8)
-    ax.legend(fontsize=6)
+    ax.set_title(" ".join(gpu.get("preamble", ["GPU"])[:1])[:60], fontsize=10)
+    ax.legend()
     ax.grid(True, which="both", alpha=0.3)
 
 
 def trace_plot(runs: list[dict[str, Any]], path: str | os.PathLike) -> None:
     """Trace + lower time, vjpkit / hand-written custom_vjp, against chain length: one line per JAX."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, run in enumerate(sorted(runs, key=lambda r: [int(p) for p in re.findall(r"\d+", r["environment"]["jax"])])):
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    runs = sorted(runs, key=lambda r: [int(p) for p in re.findall(r"\d+", r["environment"]["jax"])])
+    for i, run in enumerate(runs):
         rows = run["chain"]
         n = [r["calls"] for r in rows]
         ax.semilogx(n, [r["ratio"] for r in rows], "o-", color=f"C{i}", label=f"JAX {run['environment']['jax']}")
         ax.semilogx(n, [r["aa_ratio"] for r in rows], "x:", color=f"C{i}", alpha=0.6,
-                    label=f"JAX {run['environment']['jax']}: A/A (hand-written vs its copy)")
+                    label=f"JAX {run['environment']['jax']}, A/A: hand-written / its copy")
     _ticks(ax, sorted({r["calls"] for run in runs for r in run["chain"]}))
     ax.axhline(1.0, color="black", lw=0.8)
     ax.axhline(1.05, color="gray", ls="--", lw=0.8, label="target 1.05")
     ax.set_xlabel("Function calls in the traced chain (Linear/Tanh)")
     ax.set_ylabel("trace + lower time, vjpkit / hand-written")
-    ax.legend(fontsize=8)
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high + (high - low) * 0.7)  # room for the legend above the lines
+    ax.legend(ncol=2, fontsize=9, loc="upper left")
     ax.grid(True, which="both", alpha=0.3)
-    lines = sorted({machine_line(r["environment"]) for r in runs})
+    first = runs[0]["environment"]
+    loads = ", ".join(f"{load_text(r['environment'])} (JAX {r['environment']['jax']})" for r in runs)
+    lines = [f"{first['cpu_count']}-core {first['cpu']} CPU, {first['date_utc'][:10]}: {loads}"]
     repeats = sorted({r["repeats"] for run in runs for r in run["chain"]})
     fig.suptitle("Tracing jax.jit(jax.value_and_grad(loss)): thread CPU time, median of paired ratios over "
                  f"{'/'.join(map(str, repeats))} repeats\n"
-                 + "\n".join(lines), fontsize=8)
+                 + "\n".join(lines), fontsize=11)
     _save(fig, path)
 
 
@@ -242,8 +253,8 @@ def gradcheck_plot(data: dict[str, Any], path: str | os.PathLike) -> None:
         left.loglog(elements, [r["ms"][name]["median"] for r in rows], style, color=f"C{i}", label=name)
         left.fill_between(elements, [r["ms"][name]["min"] for r in rows], [r["ms"][name]["max"] for r in rows],
                           color=f"C{i}", alpha=0.12)
-    left.set_ylabel("ms per check, warm (line: median; band: min–max)")
-    left.set_title("Time per check", fontsize=9)
+    left.set_ylabel("ms per check (median; band: min–max)")
+    left.set_title("Time per check", fontsize=11)
     for i, mode in enumerate(rows[0]["torch_over_vjpkit"]):
         right.semilogx(elements, [r["torch_over_vjpkit"][mode] for r in rows], "o-", color=f"C{i + 4}",
                        label=f"{mode}: torch / vjpkit")
@@ -252,18 +263,26 @@ def gradcheck_plot(data: dict[str, Any], path: str | os.PathLike) -> None:
     top = max(max(r["torch_over_vjpkit"].values()) for r in rows)
     marks = [m for m in (0.5, 1, 2, 5, 10, 20, 50, 100, 200) if m <= top * 2]
     right.set_yticks(marks, [f"{m:g}×" for m in marks])
-    right.set_ylabel("torch's time / vjpkit's (median of paired ratios)")
-    right.set_title("How many times faster vjpkit checks", fontsize=9)
+    right.set_ylabel("torch's time / vjpkit's")
+    right.set_title("How many times faster vjpkit checks", fontsize=11)
     for ax in (left, right):
-        ax.set_xticks(elements, [f"{e:,}\n(n={r['n']})" for e, r in zip(elements, rows, strict=True)], fontsize=7)
+        ax.set_xticks(elements, [f"{_short(e)}\nn={r['n']}" for e, r in zip(elements, rows, strict=True)])
         ax.minorticks_off()
-        ax.set_xlabel("Jacobian elements (x: n×n, w: 3n/2×n; n = 20 is the tutorial's)")
-        ax.legend(fontsize=8)
+        ax.set_xlabel("Jacobian elements (inputs n×n, 3n/2×n)")
+        ax.legend()
         ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle("gradcheck of the PyTorch tutorial's LinearFunction, float64, scaled: vjpkit vs "
-                 f"torch.autograd.gradcheck on 1 thread, warm calls\n{machine_line(data['environment'])}, "
-                 f"torch {data.get('torch', '-')}", fontsize=8)
+    fig.suptitle("Warm gradcheck: vjpkit vs torch.autograd.gradcheck (1 thread)\nthe PyTorch tutorial's "
+                 "LinearFunction scaled, float64 (n = 20 is the tutorial's example)\n"
+                 f"{machine_line(data['environment'])}, torch {data.get('torch', '-')}", fontsize=11)
     _save(fig, path)
+
+
+def _short(n: int) -> str:
+    """960, 15k, 2.3M."""
+    for unit, size in (("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.{1 if n < 10 * size else 0}f}{unit}"
+    return f"{n}"
 
 
 def _load(name: str) -> dict[str, Any] | None:
