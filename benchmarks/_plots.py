@@ -203,12 +203,21 @@ def _gpu_panel(ax: Any, gpu: dict[str, Any]) -> None:
     for i, (name, dtype) in enumerate(sorted({(r["candidate"], r["dtype"]) for r in records})):
         mine = sorted((r for r in records if (r["candidate"], r["dtype"]) == (name, dtype)),
                       key=lambda r: r["context"])
-        ax.loglog([r["context"] for r in mine], [r["tokens_per_s"] for r in mine], "o-", color=f"C{i}",
-                  label=f"{name}, {dtype}")
+        x, y = [r["context"] for r in mine], [r["tokens_per_s"] for r in mine]
+        ax.loglog(x, y, "o-", color=f"C{i % 10}", label=f"{name}, {dtype}")
+        if all(r.get("samples_ms") for r in mine):  # whiskers: quartiles of the steps, as on the CPU panel
+            spread = [_quartiles([r["tokens_per_s"] * r["step_ms"] / ms for ms in r["samples_ms"]]) for r in mine]
+            ax.errorbar(x, y, yerr=[[v - q[0] for v, q in zip(y, spread, strict=True)],
+                                    [q[2] - v for v, q in zip(y, spread, strict=True)]],
+                        fmt="none", color=f"C{i % 10}", capsize=2)
+    # The preamble's first line: "device: <kind> (<platform>); jax <version>, ...".
+    device, *versions = gpu.get("preamble", ["device: GPU"])[0].removeprefix("device: ").split("; ")
+    jax_version = next((v for p in versions for v in p.split(", ") if v.startswith("jax ")), "")
+    ax.set_title(f"GPU: {device}, {jax_version.replace('jax', 'JAX')}", fontsize=10)
+    _ticks(ax, sorted({r["context"] for r in records}))
     ax.set_xlabel("context length")
     ax.set_ylabel("tokens per second")
-    ax.set_title(" ".join(gpu.get("preamble", ["GPU"])[:1])[:60], fontsize=10)
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
 
 
