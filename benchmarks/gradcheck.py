@@ -1,6 +1,7 @@
 """vjpkit.gradcheck against torch.autograd.gradcheck and jax.test_util.check_grads.
 
     python benchmarks/gradcheck.py [--quick] [--bisection N]
+    python benchmarks/gradcheck.py --sweep-sizes [--quick] [--json F.json] [--plot F.png]   # 5.
 
 The PyTorch tutorial's example: LinearFunction on inputs randn(20, 20) and
 randn(30, 20) in float64, ``eps=1e-6, atol=1e-4``; a (400 + 600) x 600
@@ -411,5 +412,62 @@ def bisection_table(n_iter, runs, with_torch):
     return {kind: median([r[0] for r in runs_of_kind]) for kind, runs_of_kind in results.items()}
 
 
+# --- 5. --sweep-sizes: warm checks of LinearFunction scaled up and down, against the Jacobian's size.
+SWEEP_SIZES = (4, 8, 14, 20, 28, 40)  # x (n, n), w (3n/2, n); n = 20 is the tutorial's example
+SWEEP = ("vjpkit", "vjpkit fast_mode", "torch slow, 1 thread", "torch fast_mode, 1 thread")
+
+
+def sweep_checker(kind, n):
+    """``checker(kind)`` on inputs randn(n, n), randn(3n/2, n)."""
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((n, n)), rng.standard_normal((3 * n // 2, n))
+    fast = "fast_mode" in kind
+    if kind.startswith("vjpkit"):
+        import vjpkit
+
+        linear = vjpkit_linear()
+        return lambda: vjpkit.gradcheck(linear.apply, (x, w), eps=EPS, atol=ATOL, fast_mode=fast)
+    import torch
+
+    torch.set_num_threads(1)
+    tlinear = torch_linear()
+    tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
+    return lambda: torch.autograd.gradcheck(tlinear.apply, (tx, tw), eps=EPS, atol=ATOL, fast_mode=fast)
+
+
+def sweep_sizes():
+    """Warm calls of every checker at each size, interleaved per size; --json and --plot (benchmarks/_plots.py)."""
+    parser = argparse.ArgumentParser(description="5. gradcheck time against the Jacobian's size")
+    parser.add_argument("--sweep-sizes", action="store_true", required=True)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SWEEP_SIZES), metavar="N")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--plot", metavar="PATH.png")
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    import _plots
+    import torch
+
+    repeat = 3 if args.quick else 7
+    records = []
+    for n in args.sizes:
+        m = 3 * n // 2
+        cands = [Candidate(k, sweep_checker(k, n), no_wait, 10 if "fast" in k else 1) for k in SWEEP]
+        samples = time_interleaved(cands, repeat=repeat, warmup=1)
+        elements = (n * n + m * n) * n * m
+        records.append({"n": n, "shapes": f"x {n}×{n}, w {m}×{n}", "jacobian_elements": elements, "ms": {
+            k: {"median": median(v) * 1e3, "min": min(v) * 1e3, "max": max(v) * 1e3} for k, v in samples.items()},
+            "torch_over_vjpkit": {"slow mode": paired_ratio(samples, SWEEP[2], SWEEP[0]),
+                                  "fast_mode": paired_ratio(samples, SWEEP[3], SWEEP[1])}})
+        print_table(f"n = {n}: Jacobian ({n * n} + {m * n}) x {n * m} = {elements:,} elements, warm, {repeat} repeats",
+                    ["checker", "median ms", "min ms"],
+                    [(k, f"{median(v) * 1e3:.2f}", f"{min(v) * 1e3:.2f}") for k, v in samples.items()])
+    figures = {"checkers": list(SWEEP), "sizes": records, "torch": torch.__version__, "repeats": repeat}
+    if args.json:
+        _plots.write_json(args.json, figures, load_before)
+    if args.plot:
+        _plots.gradcheck_plot({"environment": _plots.environment(load_before), **figures}, args.plot)
+
+
 if __name__ == "__main__":
-    main()
+    sweep_sizes() if "--sweep-sizes" in sys.argv else main()

@@ -1,6 +1,6 @@
 """Tracing a model of many Functions costs what tracing hand-written `jax.custom_vjp` costs.
 
-    python benchmarks/trace.py [--quick] [--calls 10 200 1000]
+    python benchmarks/trace.py [--quick] [--calls 10 200 1000] [--trace-only] [--json F.json] [--plot F.png]
 
 A chain of small layers, alternately `Linear` (`h @ w`) and `Tanh`, with
 10, 200 and 1,000 Function calls, built twice: from vjpkit Functions, and
@@ -36,6 +36,7 @@ lower (a count the machine's load does not change).
 
 import argparse
 import cProfile
+import os
 import platform
 import pstats
 import time
@@ -211,13 +212,20 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer repeats, for a smoke run")
     parser.add_argument("--calls", type=int, nargs="+", default=[10, 200, 1000], help="Function calls per model")
     parser.add_argument("--layers", type=int, default=200, help="layers of the deep LinearFunction model")
+    parser.add_argument("--trace-only", action="store_true", help="only trace + lower of the chain (no compile, "
+                        "HLO or deep model): the ratio against chain length, sooner")
+    parser.add_argument("--repeat", type=int, help="repeats of trace + lower (default 21, --quick 5)")
+    parser.add_argument("--json", metavar="PATH", help="write the trace + lower figures there")
+    parser.add_argument("--plot", metavar="PATH.png", help="plot the ratio against chain length there")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     repeat, compile_repeat = (5, 2) if args.quick else (21, 5)
+    repeat = args.repeat or repeat
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, python {platform.python_version()}")
     print(f"Linear/Tanh chain, batch {BATCH}, width {WIDTH}, float32; {repeat} repeats of trace+lower, "
           f"{compile_repeat} of compile")
 
-    trace_rows, compile_rows, hlo_rows, jaxpr_rows = [], [], [], []
+    trace_rows, compile_rows, hlo_rows, jaxpr_rows, records = [], [], [], [], []
     for n_calls in args.calls:
         params, x = inputs(n_calls)
         losses = dict(zip(MODELS, [make_loss(*hand_written()), make_loss(Linear.apply, Tanh.apply),
@@ -229,6 +237,11 @@ def main():
         trace_rows.append((f"{n_calls}", f"{median(ours) * 1e3:.1f}", f"{median(base) * 1e3:.1f}",
                            f"{paired_ratio(samples, MODELS[1], MODELS[0]):.3f}",
                            f"{paired_ratio(samples, MODELS[2], MODELS[0]):.3f}"))
+        records.append({"calls": n_calls, "vjpkit_ms": median(ours) * 1e3, "hand_written_ms": median(base) * 1e3,
+                        "ratio": paired_ratio(samples, MODELS[1], MODELS[0]),
+                        "aa_ratio": paired_ratio(samples, MODELS[2], MODELS[0]), "repeats": repeat})
+        if args.trace_only:
+            continue
 
         # A Lowered keeps its executable after compile(): every timed compile gets its own lowering.
         pending = {name: [lower(loss, params, x) for _ in range(compile_repeat)] for name, loss in losses.items()}
@@ -251,6 +264,8 @@ def main():
     print_table("trace + lower of jax.jit(jax.value_and_grad(loss)), thread CPU time (medians; ratio: median of "
                 "per-repeat ratios)",
                 header, trace_rows)
+    if args.trace_only:
+        return save(args, records, load_before)
     print_table("compile of the lowered program", header, compile_rows)
     print_table("optimized HLO", ["Function calls", "vjpkit instructions", "hand-written instructions",
                                   "same opcodes", "same text (metadata removed)"], hlo_rows)
@@ -261,6 +276,18 @@ def main():
     deep = deep_model(args.layers, repeat)
     worst = max([deep, *(float(row[3]) for row in trace_rows)])
     print(f"\nworst trace+lower ratio: {worst:.3f} (target <= 1.05: {'met' if worst <= 1.05 else 'NOT met'})")
+    save(args, records, load_before)
+
+
+def save(args, records, load_before):
+    """--json and --plot: the chain's trace + lower figures (benchmarks/_plots.py)."""
+    import _plots
+
+    figures = {"chain": records, "width": WIDTH, "batch": BATCH, "clock": "thread CPU time"}
+    if args.json:
+        _plots.write_json(args.json, figures, load_before)
+    if args.plot:
+        _plots.trace_plot([{"environment": _plots.environment(load_before), **figures}], args.plot)
 
 
 if __name__ == "__main__":

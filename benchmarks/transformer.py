@@ -2,6 +2,8 @@
 
     python benchmarks/transformer.py            # several minutes on 2 CPU cores
     python benchmarks/transformer.py --quick    # fewer steps, rougher figures
+    python benchmarks/transformer.py --memory-only --memory-contexts 128 256 512 1024 2048 4096 \
+        --json benchmarks/results/transformer_cpu.json --plots docs/img   # figures as JSON and plots
 
 The model of examples/train_transformer.py (4 layers, width 128, 4 heads,
 batch 8), one training step (forward, backward, optimizer update), written
@@ -585,6 +587,11 @@ def gpu_main(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps: rougher figures, sooner")
+    parser.add_argument("--memory-contexts", type=int, nargs="+", default=list(MEMORY_CONTEXTS), metavar="T",
+                        help="context lengths of the memory figures")
+    parser.add_argument("--memory-only", action="store_true", help="only the memory figures (nothing executed)")
+    parser.add_argument("--json", metavar="PATH", help="write the figures there (benchmarks/_plots.py)")
+    parser.add_argument("--plots", metavar="DIR", help="draw transformer_memory.png and transformer_tokens.png there")
     parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out")
     parser.add_argument("--no-torch-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count(),
@@ -619,9 +626,10 @@ def main():
           f"load average {os.getloadavg()[0]:.1f}; {CONFIG.layers} layers, width {CONFIG.width}, "
           f"{CONFIG.heads} heads, batch {BATCH}, attention block {CONFIG.block}")
 
+    load_before = os.getloadavg()[0]
     # --- JAX: memory plans, residuals and HLO size at every context length.
-    memory_rows = []
-    for context in MEMORY_CONTEXTS:
+    memory_rows, figures_of = [], {"memory": [], "steps": []}
+    for context in args.memory_contexts:
         config = CONFIG._replace(context=context)
         figures = {name: compiled_figures(o, config) for name, o in JAX_OPS.items()}
         residuals = {name: attention_residual_bytes(o.attention, config) for name, o in JAX_OPS.items()}
@@ -633,10 +641,14 @@ def main():
             f"{residuals['vjpkit'] / residuals['autodiff']:.3f}",
             figures["vjpkit"][1], figures["autodiff"][1],
         ))
+        figures_of["memory"].append({"context": context, **{f"{n}_{k}": v for n in JAX_OPS for k, v in (
+            ("temp_bytes", figures[n][0]), ("residual_bytes", residuals[n]), ("hlo_instructions", figures[n][1]))}})
     print_table("Memory XLA plans for one training step (nothing executed), and HLO size",
                 ["context", "vjpkit temp", "autodiff temp", "ratio", "vjpkit attention residuals / layer",
                  "autodiff attention residuals / layer", "ratio", "vjpkit HLO instructions",
                  "autodiff HLO instructions"], memory_rows)
+    if args.memory_only:
+        return save(args, figures_of, load_before)
 
     # --- Step times at context 256: every candidate interleaved with the others, A/A rows included.
     tokens = BATCH * CONFIG.context
@@ -672,6 +684,10 @@ def main():
             "-" if aa is None else f"{aa:.3f}",
             mib(rises.get(name)) if name == base else "-",
         ))
+        figures_of["steps"].append({
+            "candidate": name, "step_ms": median(samples) * 1e3, "tokens_per_s": tokens / median(samples),
+            "per_autodiff": paired_ratio(times, name, "autodiff"), "aa": aa,
+            "peak_rss_rise_bytes": rises.get(name), "samples_ms": [t * 1e3 for t in samples]})
     print_table(f"One training step at context {CONFIG.context} ({tokens} tokens), median of {steps}; "
                 f"PyTorch on {args.torch_threads} thread(s)",
                 ["candidate", "step", "tokens/s", "/ autodiff", "/ vjpkit", "/ A (A/A)", "peak RSS rise"], rows)
@@ -680,6 +696,22 @@ def main():
     for note in notes:
         print(note)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
+    figures_of.update(context=CONFIG.context, tokens_per_step=tokens, torch_threads=args.torch_threads, notes=notes)
+    save(args, figures_of, load_before)
+
+
+def save(args, figures, load_before):
+    """--json and --plots (benchmarks/_plots.py)."""
+    import _plots
+
+    figures = {"model": dict(CONFIG._asdict(), batch=BATCH), **figures}
+    if args.json:
+        _plots.write_json(args.json, figures, load_before)
+    if args.plots:
+        figures = {"environment": _plots.environment(load_before), **figures}
+        _plots.memory_plot(figures, Path(args.plots) / "transformer_memory.png")
+        if figures["steps"]:
+            _plots.throughput_plot(figures, Path(args.plots) / "transformer_tokens.png")
 
 
 if __name__ == "__main__":
