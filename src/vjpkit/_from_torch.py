@@ -1,7 +1,8 @@
 """``from_torch``: an unported PyTorch Function (or any torch callable) run inside JAX.
 
-Usage::
+Example:
 
+    ```python
     class TExp(torch.autograd.Function):         # the original, unchanged
         @staticmethod
         def forward(ctx, x):
@@ -13,6 +14,7 @@ Usage::
     Exp = vjpkit.from_torch(TExp)                # Exp.apply(x) takes JAX arrays
     jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))(x)
     soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1))
+    ```
 
 The original runs in a callback on tensors sharing the arrays' memory by
 DLPack: XLA's buffers on their device (``_torch_device.py``), or host arrays

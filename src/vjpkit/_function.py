@@ -57,8 +57,9 @@ class _FunctionMeta(type):
 class Function(metaclass=_FunctionMeta):
     """Base class for custom-gradient functions, written as in PyTorch.
 
-    Usage::
+    Example:
 
+        ```python
         class Exp(vjpkit.Function):
             @staticmethod
             def forward(ctx, x):
@@ -72,6 +73,7 @@ class Function(metaclass=_FunctionMeta):
                 return g * y
 
         jax.grad(lambda x: Exp.apply(x).sum())(x)   # or Exp(x)
+        ```
 
     The key differences to ``jax.custom_vjp`` are:
 
@@ -150,8 +152,9 @@ def _metaclass_for(meta: type) -> type:
 def function(cls: type | None = None, /, **options: Any) -> Any:
     """Class decorator: turns a class with ``forward``/``backward`` into a Function.
 
-    Usage::
+    Example:
 
+        ```python
         @vjpkit.function
         class Exp:
             @staticmethod
@@ -163,8 +166,9 @@ def function(cls: type | None = None, /, **options: Any) -> Any:
         class Debug: ...
 
         Exp(x); Exp.apply(x)            # both call it
+        ```
 
-    Options, the same as the class attributes of :class:`Function`:
+    Options, the same as the class attributes of `Function`:
     ``jit`` (default True), ``cache_size`` (programs kept per class, default
     256), ``host`` (forward and backward in NumPy, run through
     ``jax.pure_callback``; default False) and ``vmap_method`` (for host

@@ -1,7 +1,8 @@
 """Host Functions: ``forward`` and ``backward`` written in NumPy, run through ``jax.pure_callback``.
 
-Usage::
+Example:
 
+    ```python
     @vjpkit.function(host=True)
     class Solve:
         @staticmethod
@@ -21,6 +22,7 @@ Usage::
             return -np.outer(lam, x), lam
 
     jax.jit(jax.grad(lambda A, b: Solve(A, b).sum()))(A, b)
+    ```
 
 This module turns the user's NumPy methods into JAX-traceable ``forward``
 and ``backward`` methods that the core (``_runner.Runner``) runs like

@@ -13,8 +13,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 def once_differentiable(backward: F) -> F:
     """Marks a ``backward`` as first-order only, like PyTorch's decorator.
 
-    Usage::
+    Example:
 
+        ```python
         class Clip(vjpkit.Function):
             @staticmethod
             def forward(ctx, x):
@@ -24,6 +25,7 @@ def once_differentiable(backward: F) -> F:
             @vjpkit.once_differentiable
             def backward(ctx, g):
                 ...
+        ```
 
     ``jax.grad`` works as usual; differentiating the backward itself
     (``jax.hessian``, grad of grad) raises an error naming the class instead

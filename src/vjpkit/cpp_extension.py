@@ -1,7 +1,8 @@
 """C++ kernels for JAX, compiled from a source string: ``load_inline``.
 
-Usage::
+Example:
 
+    ```python
     import jax, jax.numpy as jnp, numpy as np
     from vjpkit import cpp_extension
 
@@ -20,11 +21,12 @@ Usage::
     x = jnp.arange(4.0)
     y = ext.Scale(x, result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype), factor=np.float32(3.0))
     jax.jit(jax.vmap(lambda r: ext.Scale(r, result_shape_dtypes=r, factor=np.float32(2.0))))(jnp.ones((3, 4)))
+    ```
 
 This is PyTorch's ``torch.utils.cpp_extension.load_inline`` for XLA's FFI:
 the source is compiled once into a shared library, cached by a hash of its
 content, each handler named in ``functions`` is registered as an XLA FFI
-target for the CPU (those of a ``cuda_source``: for CUDA GPUs), and the returned :class:`Extension` has one callable
+target for the CPU (those of a ``cuda_source``: for CUDA GPUs), and the returned `Extension` has one callable
 per handler that runs it through ``jax.ffi.ffi_call``. The calls work under
 ``jit``, ``vmap`` and inside vjpkit Functions (wrap a forward and a backward
 kernel in one Function to give the kernel a gradient).
@@ -121,7 +123,7 @@ class BuildError(RuntimeError):
 
 
 class FfiKernel:
-    """One FFI handler of an :class:`Extension`, registered as an XLA target for the CPU.
+    """One FFI handler of an `Extension`, registered as an XLA target for the CPU.
 
     Call it with the kernel's buffers as positional arguments and its
     attributes as keyword arguments::
@@ -168,7 +170,7 @@ class FfiKernel:
 
 
 class Extension:
-    """A compiled C++ source: one :class:`FfiKernel` attribute per name in ``functions``."""
+    """A compiled C++ source: one `FfiKernel` attribute per name in ``functions``."""
 
     def __init__(self, name: str, library_path: pathlib.Path, kernels: dict[str, FfiKernel]):
         self.name = name
@@ -231,7 +233,7 @@ def load_inline(
         verbose: print the compiler's commands and output.
 
     Returns:
-        An :class:`Extension` with one :class:`FfiKernel` per function.
+        An `Extension` with one `FfiKernel` per function.
 
     Raises:
         BuildError: no C++ compiler (or, for ``cuda_source``, no ``nvcc``)

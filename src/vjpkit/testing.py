@@ -1,7 +1,8 @@
 """Gradient checks that read well in a test suite.
 
-Usage::
+Example:
 
+    ```python
     from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, random_inputs
 
     def test_linear_gradients():
@@ -13,6 +14,7 @@ Usage::
 
     def test_linear_port_matches_pytorch():
         assert_matches_torch(TorchLinear, Linear, random_inputs("f64[4,3] f64[2,3]"))
+    ```
 
 The key difference to calling ``vjpkit.gradcheck`` directly is that a
 failure is an ``AssertionError`` carrying the full report (the mismatching

@@ -1,7 +1,8 @@
 """Checking derivatives: ``gradcheck``, ``gradgradcheck``, and the helpers of ``vjpkit.testing``.
 
-Usage::
+Example:
 
+    ```python
     import numpy as np
     import vjpkit
 
@@ -9,6 +10,7 @@ Usage::
     w = np.random.randn(30, 20)
     assert vjpkit.gradcheck(Linear.apply, (x, w), eps=1e-6, atol=1e-4)
     assert vjpkit.gradgradcheck(Linear.apply, (x, w))
+    ```
 
 ``fn`` is any JAX function of arrays: a vjpkit Function's ``apply``, a
 hand-written ``jax.custom_vjp``, or plain JAX code calling several of them.

@@ -42,10 +42,12 @@ def gradcheck(
 ) -> bool:
     """Compares ``fn``'s derivatives with central finite differences.
 
-    Usage::
+    Example:
 
+        ```python
         x, w = np.random.randn(20, 20), np.random.randn(30, 20)
         vjpkit.gradcheck(Linear.apply, (x, w), eps=1e-6, atol=1e-4)
+        ```
 
     For every (differentiable output, differentiable input) pair, the
     analytical Jacobian (from ``jax.vjp``, and from ``jax.jvp`` with
@@ -62,7 +64,7 @@ def gradcheck(
         eps: finite-difference step.
         atol: absolute tolerance, as in ``numpy.allclose(analytical, numerical)``.
         rtol: relative tolerance, as in ``numpy.allclose(analytical, numerical)``.
-        raise_exception: raise :class:`GradcheckError` on failure (default),
+        raise_exception: raise `GradcheckError` on failure (default),
             or return False.
         fast_mode: compare ``v^T J u`` for random ``u, v`` instead of the
             whole Jacobian (PyTorch's fast mode); a failure reruns the full

@@ -1,7 +1,8 @@
 """``assert_gradcheck`` and ``assert_gradgradcheck``: gradient checks that read well in a test suite.
 
-Usage::
+Example:
 
+    ```python
     import chex
     from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, random_inputs
 
@@ -11,6 +12,7 @@ Usage::
 
     def test_exp_second_derivative():
         assert_gradgradcheck(Exp.apply, random_inputs("f64[5]"))
+    ```
 
 The key difference to calling ``vjpkit.gradcheck`` directly is that a
 failure is an ``AssertionError`` carrying the full report (the mismatching
@@ -32,10 +34,10 @@ def assert_gradcheck(fn: Callable[..., Any], inputs: Any, **options: Any) -> Non
     """Asserts that ``vjpkit.gradcheck(fn, inputs, **options)`` passes.
 
     Args:
-        fn: as for :func:`vjpkit.gradcheck`.
-        inputs: as for :func:`vjpkit.gradcheck`.
+        fn: as for `vjpkit.gradcheck`.
+        inputs: as for `vjpkit.gradcheck`.
         **options: ``eps``, ``atol``, ``rtol``, ``fast_mode`` and the other
-            keyword options of :func:`vjpkit.gradcheck` (not
+            keyword options of `vjpkit.gradcheck` (not
             ``raise_exception``).
 
     Raises:

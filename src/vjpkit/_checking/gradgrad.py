@@ -36,9 +36,11 @@ def gradgradcheck(
 ) -> bool:
     """Checks second derivatives: ``gradcheck`` of ``fn``'s VJP.
 
-    Usage::
+    Example:
 
+        ```python
         vjpkit.gradgradcheck(Exp.apply, (np.random.randn(5),))
+        ```
 
     The checked function maps ``(*inputs, *grad_outputs)`` to the
     gradients of ``fn``'s differentiable inputs, ``jax.vjp(fn, *inputs)``
@@ -47,12 +49,12 @@ def gradgradcheck(
     ``once_differentiable`` forbids). The keyword options (``eps``,
     ``atol``, ``rtol``, ``raise_exception``, ``fast_mode``, ``nondet_tol``,
     ``check_undefined_grad``, ``check_batched_grad``, ``check_forward_ad``,
-    ``check_backward_ad``) are :func:`gradcheck`'s, applied to the VJP
+    ``check_backward_ad``) are `gradcheck`'s, applied to the VJP
     function (``check_forward_ad`` checks forward-over-reverse).
 
     Args:
-        fn: as for :func:`gradcheck`.
-        inputs: as for :func:`gradcheck`.
+        fn: as for `gradcheck`.
+        inputs: as for `gradcheck`.
         grad_outputs: one cotangent per differentiable output leaf of ``fn``
             (in ``jax.tree_util.tree_leaves`` order), as a tuple or a single
             array. Default: seeded uniform(-1, 1) float64 values.

@@ -1,11 +1,13 @@
 """Side by side: a port and its unported PyTorch original, in one jitted step.
 
-Usage::
+Example:
 
+    ```python
     from vjpkit.testing import assert_port_matches_original
 
     def test_exp_port():
         assert_port_matches_original(Exp, TExp, np.linspace(0, 1, 5), second_order=True)
+    ```
 
 Why: while swapping ports in for originals (``vjpkit.from_torch``), the
 original stays the reference in the same program, so a training step can
@@ -78,7 +80,7 @@ def assert_port_matches_original(port: Any, original: Any, *args: Any, argnums: 
                                  atol: float = 1e-6) -> dict[str, float]:
     """Asserts that ``port`` and ``vjpkit.from_torch(original)`` agree within ``atol``.
 
-    Takes the arguments of :func:`port_differences` and returns its result.
+    Takes the arguments of `port_differences` and returns its result.
 
     Raises:
         AssertionError: naming each check (output, gradient, second order,

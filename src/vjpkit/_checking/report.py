@@ -21,7 +21,7 @@ from .runner import Checker
 class GradcheckError(RuntimeError):
     """A gradient check failed. The message is the full report.
 
-    ``mismatches`` holds one :class:`JacobianMismatch` per (output, input)
+    ``mismatches`` holds one `JacobianMismatch` per (output, input)
     pair whose Jacobians disagree, for programmatic use (empty when the
     failure is of another kind, e.g. a backward that is not reentrant).
     """
