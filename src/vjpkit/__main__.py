@@ -1,11 +1,11 @@
 """Command line gradient checks for CI: ``python -m vjpkit check MODULE:NAME``.
 
-Example:
+For example:
 
-    ```python
-    python -m vjpkit check mypkg.ops:Linear --inputs "f64[20,20] f64[30,20]" --atol 1e-4
-    python -m vjpkit check mypkg.ops:Exp --inputs "f64[5]" --gradgrad
-    ```
+```python
+python -m vjpkit check mypkg.ops:Linear --inputs "f64[20,20] f64[30,20]" --atol 1e-4
+python -m vjpkit check mypkg.ops:Exp --inputs "f64[5]" --gradgrad
+```
 
 Exit status: 0 when every check passes, 1 when a check fails (or the
 function raises), 2 on bad arguments. ``python -m vjpkit check --help``

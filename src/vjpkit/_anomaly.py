@@ -1,13 +1,13 @@
 """Anomaly detection: ``vjpkit.detect_anomaly()``, as ``torch.autograd.detect_anomaly``.
 
-Example:
+For example:
 
-    ```python
-    with vjpkit.detect_anomaly():
-        grads = jax.grad(loss)(params)   # or a jitted train step
-    # FloatingPointError: Exp.backward returned nan in gradient 0 (input 'x'):
-    # 1 of 3 elements (the first at index (1,)). ...
-    ```
+```python
+with vjpkit.detect_anomaly():
+    grads = jax.grad(loss)(params)   # or a jitted train step
+# FloatingPointError: Exp.backward returned nan in gradient 0 (input 'x'):
+# 1 of 3 elements (the first at index (1,)). ...
+```
 
 Inside the block, every vjpkit Function checks what its own methods produce
 (forward's outputs, backward's gradients, jvp's tangents) for NaN and Inf,
@@ -82,12 +82,12 @@ def enabled() -> bool:
 def detect_anomaly() -> Iterator[None]:
     """Checks every vjpkit Function's outputs, gradients and tangents for NaN/Inf.
 
-    Example:
+    For example:
 
-        ```python
-        with vjpkit.detect_anomaly():
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        ```
+    ```python
+    with vjpkit.detect_anomaly():
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    ```
 
     The first NaN or Inf that a Function's ``forward``, ``backward`` or
     ``jvp`` returns raises ``FloatingPointError``, e.g.

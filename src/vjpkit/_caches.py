@@ -17,11 +17,11 @@ def on_clear(clear: Callable[[], None]) -> Callable[[], None]:
 def clear_caches() -> None:
     """Drops every compiled program vjpkit holds: each Function's, and gradcheck's checkers.
 
-    Example:
+    For example:
 
-        ```python
-        vjpkit.clear_caches()
-        ```
+    ```python
+    vjpkit.clear_caches()
+    ```
 
     The next call of each Function (and the next gradient check) traces and
     compiles again. Functions and checked functions that are deleted free

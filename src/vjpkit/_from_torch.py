@@ -1,20 +1,20 @@
 """``from_torch``: an unported PyTorch Function (or any torch callable) run inside JAX.
 
-Example:
+For example:
 
-    ```python
-    class TExp(torch.autograd.Function):         # the original, unchanged
-        @staticmethod
-        def forward(ctx, x):
-            y = x.exp(); ctx.save_for_backward(y); return y
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors; return g * y
+```python
+class TExp(torch.autograd.Function):         # the original, unchanged
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp(); ctx.save_for_backward(y); return y
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors; return g * y
 
-    Exp = vjpkit.from_torch(TExp)                # Exp.apply(x) takes JAX arrays
-    jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))(x)
-    soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1))
-    ```
+Exp = vjpkit.from_torch(TExp)                # Exp.apply(x) takes JAX arrays
+jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))(x)
+soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1))
+```
 
 The original runs in a callback on tensors sharing the arrays' memory by
 DLPack: XLA's buffers on their device (``_torch_device.py``), or host arrays

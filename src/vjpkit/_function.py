@@ -57,23 +57,23 @@ class _FunctionMeta(type):
 class Function(metaclass=_FunctionMeta):
     """Base class for custom-gradient functions, written as in PyTorch.
 
-    Example:
+    For example:
 
-        ```python
-        class Exp(vjpkit.Function):
-            @staticmethod
-            def forward(ctx, x):
-                y = jnp.exp(x)
-                ctx.save_for_backward(y)
-                return y
+    ```python
+    class Exp(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = jnp.exp(x)
+            ctx.save_for_backward(y)
+            return y
 
-            @staticmethod
-            def backward(ctx, g):
-                (y,) = ctx.saved_tensors
-                return g * y
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * y
 
-        jax.grad(lambda x: Exp.apply(x).sum())(x)   # or Exp(x)
-        ```
+    jax.grad(lambda x: Exp.apply(x).sum())(x)   # or Exp(x)
+    ```
 
     The key differences to ``jax.custom_vjp`` are:
 
@@ -152,21 +152,21 @@ def _metaclass_for(meta: type) -> type:
 def function(cls: type | None = None, /, **options: Any) -> Any:
     """Class decorator: turns a class with ``forward``/``backward`` into a Function.
 
-    Example:
+    For example:
 
-        ```python
-        @vjpkit.function
-        class Exp:
-            @staticmethod
-            def forward(ctx, x): ...
-            @staticmethod
-            def backward(ctx, g): ...
+    ```python
+    @vjpkit.function
+    class Exp:
+        @staticmethod
+        def forward(ctx, x): ...
+        @staticmethod
+        def backward(ctx, g): ...
 
-        @vjpkit.function(jit=False)     # op by op, so print works in forward
-        class Debug: ...
+    @vjpkit.function(jit=False)     # op by op, so print works in forward
+    class Debug: ...
 
-        Exp(x); Exp.apply(x)            # both call it
-        ```
+    Exp(x); Exp.apply(x)            # both call it
+    ```
 
     Options, the same as the class attributes of `Function`:
     ``jit`` (default True), ``cache_size`` (programs kept per class, default

@@ -1,28 +1,28 @@
 """Host Functions: ``forward`` and ``backward`` written in NumPy, run through ``jax.pure_callback``.
 
-Example:
+For example:
 
-    ```python
-    @vjpkit.function(host=True)
-    class Solve:
-        @staticmethod
-        def output_shapes(A, b):          # receives jax.ShapeDtypeStructs
-            return b
+```python
+@vjpkit.function(host=True)
+class Solve:
+    @staticmethod
+    def output_shapes(A, b):          # receives jax.ShapeDtypeStructs
+        return b
 
-        @staticmethod
-        def forward(ctx, A, b):           # receives NumPy arrays
-            x = np.linalg.solve(A, b)
-            ctx.save_for_backward(A, x)
-            return x
+    @staticmethod
+    def forward(ctx, A, b):           # receives NumPy arrays
+        x = np.linalg.solve(A, b)
+        ctx.save_for_backward(A, x)
+        return x
 
-        @staticmethod
-        def backward(ctx, g):             # NumPy in, NumPy out
-            A, x = ctx.saved_tensors
-            lam = np.linalg.solve(A.T, g)
-            return -np.outer(lam, x), lam
+    @staticmethod
+    def backward(ctx, g):             # NumPy in, NumPy out
+        A, x = ctx.saved_tensors
+        lam = np.linalg.solve(A.T, g)
+        return -np.outer(lam, x), lam
 
-    jax.jit(jax.grad(lambda A, b: Solve(A, b).sum()))(A, b)
-    ```
+jax.jit(jax.grad(lambda A, b: Solve(A, b).sum()))(A, b)
+```
 
 This module turns the user's NumPy methods into JAX-traceable ``forward``
 and ``backward`` methods that the core (``_runner.Runner``) runs like

@@ -13,19 +13,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 def once_differentiable(backward: F) -> F:
     """Marks a ``backward`` as first-order only, like PyTorch's decorator.
 
-    Example:
+    For example:
 
-        ```python
-        class Clip(vjpkit.Function):
-            @staticmethod
-            def forward(ctx, x):
-                ...
+    ```python
+    class Clip(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ...
 
-            @staticmethod
-            @vjpkit.once_differentiable
-            def backward(ctx, g):
-                ...
-        ```
+        @staticmethod
+        @vjpkit.once_differentiable
+        def backward(ctx, g):
+            ...
+    ```
 
     ``jax.grad`` works as usual; differentiating the backward itself
     (``jax.hessian``, grad of grad) raises an error naming the class instead

@@ -1,11 +1,11 @@
 """``from_torch(..., mode="trace")``: a PyTorch original run as JAX operations, compiled by XLA.
 
-Example:
+For example:
 
-    ```python
-    Exp = vjpkit.from_torch(TExp, mode="trace")     # TExp's forward and backward as jax.numpy
-    jax.make_jaxpr(jax.grad(lambda x: Exp.apply(x).sum()))(x)   # no callback in it
-    ```
+```python
+Exp = vjpkit.from_torch(TExp, mode="trace")     # TExp's forward and backward as jax.numpy
+jax.make_jaxpr(jax.grad(lambda x: Exp.apply(x).sum()))(x)   # no callback in it
+```
 
 The original's methods run once per compiled signature on stand-in tensors
 (``TracedTensor``, a ``torch.Tensor`` subclass over a ``meta`` tensor that

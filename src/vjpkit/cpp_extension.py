@@ -1,27 +1,27 @@
 """C++ kernels for JAX, compiled from a source string: ``load_inline``.
 
-Example:
+For example:
 
-    ```python
-    import jax, jax.numpy as jnp, numpy as np
-    from vjpkit import cpp_extension
+```python
+import jax, jax.numpy as jnp, numpy as np
+from vjpkit import cpp_extension
 
-    source = r'''
-    namespace ffi = xla::ffi;
+source = r'''
+namespace ffi = xla::ffi;
 
-    ffi::Error ScaleImpl(float factor, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
-      for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = factor * x.typed_data()[i];
-      return ffi::Error::Success();
-    }
-    XLA_FFI_DEFINE_HANDLER_SYMBOL(Scale, ScaleImpl,
-        ffi::Ffi::Bind().Attr<float>("factor").Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
-    '''
-    ext = cpp_extension.load_inline("scale", source, functions=["Scale"], vmap_method="broadcast_all")
+ffi::Error ScaleImpl(float factor, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = factor * x.typed_data()[i];
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Scale, ScaleImpl,
+    ffi::Ffi::Bind().Attr<float>("factor").Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+'''
+ext = cpp_extension.load_inline("scale", source, functions=["Scale"], vmap_method="broadcast_all")
 
-    x = jnp.arange(4.0)
-    y = ext.Scale(x, result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype), factor=np.float32(3.0))
-    jax.jit(jax.vmap(lambda r: ext.Scale(r, result_shape_dtypes=r, factor=np.float32(2.0))))(jnp.ones((3, 4)))
-    ```
+x = jnp.arange(4.0)
+y = ext.Scale(x, result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype), factor=np.float32(3.0))
+jax.jit(jax.vmap(lambda r: ext.Scale(r, result_shape_dtypes=r, factor=np.float32(2.0))))(jnp.ones((3, 4)))
+```
 
 This is PyTorch's ``torch.utils.cpp_extension.load_inline`` for XLA's FFI:
 the source is compiled once into a shared library, cached by a hash of its

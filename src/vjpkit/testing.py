@@ -1,20 +1,20 @@
 """Gradient checks that read well in a test suite.
 
-Example:
+For example:
 
-    ```python
-    from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, random_inputs
+```python
+from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, random_inputs
 
-    def test_linear_gradients():
-        x, w = random_inputs("f64[20,20] f64[30,20]")
-        assert_gradcheck(Linear.apply, (x, w), atol=1e-4)
+def test_linear_gradients():
+    x, w = random_inputs("f64[20,20] f64[30,20]")
+    assert_gradcheck(Linear.apply, (x, w), atol=1e-4)
 
-    def test_exp_second_derivative():
-        assert_gradgradcheck(Exp.apply, random_inputs("f64[5]"))
+def test_exp_second_derivative():
+    assert_gradgradcheck(Exp.apply, random_inputs("f64[5]"))
 
-    def test_linear_port_matches_pytorch():
-        assert_matches_torch(TorchLinear, Linear, random_inputs("f64[4,3] f64[2,3]"))
-    ```
+def test_linear_port_matches_pytorch():
+    assert_matches_torch(TorchLinear, Linear, random_inputs("f64[4,3] f64[2,3]"))
+```
 
 The key difference to calling ``vjpkit.gradcheck`` directly is that a
 failure is an ``AssertionError`` carrying the full report (the mismatching

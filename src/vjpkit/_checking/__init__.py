@@ -1,16 +1,16 @@
 """Checking derivatives: ``gradcheck``, ``gradgradcheck``, and the helpers of ``vjpkit.testing``.
 
-Example:
+For example:
 
-    ```python
-    import numpy as np
-    import vjpkit
+```python
+import numpy as np
+import vjpkit
 
-    x = np.random.randn(20, 20)          # float64 inputs (NumPy, or JAX with x64)
-    w = np.random.randn(30, 20)
-    assert vjpkit.gradcheck(Linear.apply, (x, w), eps=1e-6, atol=1e-4)
-    assert vjpkit.gradgradcheck(Linear.apply, (x, w))
-    ```
+x = np.random.randn(20, 20)          # float64 inputs (NumPy, or JAX with x64)
+w = np.random.randn(30, 20)
+assert vjpkit.gradcheck(Linear.apply, (x, w), eps=1e-6, atol=1e-4)
+assert vjpkit.gradgradcheck(Linear.apply, (x, w))
+```
 
 ``fn`` is any JAX function of arrays: a vjpkit Function's ``apply``, a
 hand-written ``jax.custom_vjp``, or plain JAX code calling several of them.

@@ -42,12 +42,12 @@ def gradcheck(
 ) -> bool:
     """Compares ``fn``'s derivatives with central finite differences.
 
-    Example:
+    For example:
 
-        ```python
-        x, w = np.random.randn(20, 20), np.random.randn(30, 20)
-        vjpkit.gradcheck(Linear.apply, (x, w), eps=1e-6, atol=1e-4)
-        ```
+    ```python
+    x, w = np.random.randn(20, 20), np.random.randn(30, 20)
+    vjpkit.gradcheck(Linear.apply, (x, w), eps=1e-6, atol=1e-4)
+    ```
 
     For every (differentiable output, differentiable input) pair, the
     analytical Jacobian (from ``jax.vjp``, and from ``jax.jvp`` with

@@ -1,18 +1,18 @@
 """``assert_gradcheck`` and ``assert_gradgradcheck``: gradient checks that read well in a test suite.
 
-Example:
+For example:
 
-    ```python
-    import chex
-    from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, random_inputs
+```python
+import chex
+from vjpkit.testing import assert_gradcheck, assert_gradgradcheck, random_inputs
 
-    def test_linear_gradients():
-        x, w = random_inputs("f64[20,20] f64[30,20]")
-        assert_gradcheck(Linear.apply, (x, w), atol=1e-4)
+def test_linear_gradients():
+    x, w = random_inputs("f64[20,20] f64[30,20]")
+    assert_gradcheck(Linear.apply, (x, w), atol=1e-4)
 
-    def test_exp_second_derivative():
-        assert_gradgradcheck(Exp.apply, random_inputs("f64[5]"))
-    ```
+def test_exp_second_derivative():
+    assert_gradgradcheck(Exp.apply, random_inputs("f64[5]"))
+```
 
 The key difference to calling ``vjpkit.gradcheck`` directly is that a
 failure is an ``AssertionError`` carrying the full report (the mismatching

@@ -1,11 +1,11 @@
 """Command line gradient checks for CI: ``python -m vjpkit check MODULE:NAME``.
 
-Example:
+For example:
 
-    ```python
-    python -m vjpkit check mypkg.ops:Linear --inputs "f64[20,20] f64[30,20]" --atol 1e-4
-    python -m vjpkit check mypkg.ops:Exp --inputs "f64[5]" --gradgrad
-    ```
+```python
+python -m vjpkit check mypkg.ops:Linear --inputs "f64[20,20] f64[30,20]" --atol 1e-4
+python -m vjpkit check mypkg.ops:Exp --inputs "f64[5]" --gradgrad
+```
 
 Imports ``NAME`` from ``MODULE`` (a vjpkit Function class, whose ``apply``
 is checked, or any function of arrays; ``NAME`` may be dotted), runs

@@ -36,11 +36,11 @@ def gradgradcheck(
 ) -> bool:
     """Checks second derivatives: ``gradcheck`` of ``fn``'s VJP.
 
-    Example:
+    For example:
 
-        ```python
-        vjpkit.gradgradcheck(Exp.apply, (np.random.randn(5),))
-        ```
+    ```python
+    vjpkit.gradgradcheck(Exp.apply, (np.random.randn(5),))
+    ```
 
     The checked function maps ``(*inputs, *grad_outputs)`` to the
     gradients of ``fn``'s differentiable inputs, ``jax.vjp(fn, *inputs)``

@@ -1,13 +1,13 @@
 """Side by side: a port and its unported PyTorch original, in one jitted step.
 
-Example:
+For example:
 
-    ```python
-    from vjpkit.testing import assert_port_matches_original
+```python
+from vjpkit.testing import assert_port_matches_original
 
-    def test_exp_port():
-        assert_port_matches_original(Exp, TExp, np.linspace(0, 1, 5), second_order=True)
-    ```
+def test_exp_port():
+    assert_port_matches_original(Exp, TExp, np.linspace(0, 1, 5), second_order=True)
+```
 
 Why: while swapping ports in for originals (``vjpkit.from_torch``), the
 original stays the reference in the same program, so a training step can

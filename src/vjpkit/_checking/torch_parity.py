@@ -1,14 +1,14 @@
 """``assert_matches_torch``: a port checked against the PyTorch original.
 
-Example:
+For example:
 
-    ```python
-    from vjpkit.testing import assert_matches_torch
+```python
+from vjpkit.testing import assert_matches_torch
 
-    def test_linear_port_matches_pytorch():
-        x, w, b = np.random.randn(4, 3), np.random.randn(2, 3), np.random.randn(2)
-        assert_matches_torch(TorchLinear, Linear, (x, w, b), check_second_order=True)
-    ```
+def test_linear_port_matches_pytorch():
+    x, w, b = np.random.randn(4, 3), np.random.randn(2, 3), np.random.randn(2)
+    assert_matches_torch(TorchLinear, Linear, (x, w, b), check_second_order=True)
+```
 
 Runs the original ``torch.autograd.Function`` (its ``.apply``) and the
 vjpkit port on the same float64 (or complex128) inputs, and compares the
