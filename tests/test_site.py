@@ -57,7 +57,7 @@ def test_every_code_block_of_a_page_renders_as_code(site):
     for name, page in site.items():
         source = (DOCS / f"{name}.md").read_text()
         fences = len(re.findall(r"^\s*```\w", source, flags=re.M))  # an opening fence names its language
-        rendered = page.count('<div class="highlight">')
+        rendered = len(re.findall(r'<div class="(?:language-[\w-]+ )?highlight">', page))
         assert rendered >= fences, (name, fences, rendered)
 
 
