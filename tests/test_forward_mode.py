@@ -14,6 +14,7 @@ import pytest
 from functions import Double, DoubleNoRules, ExpWithJvp, SinCosWithJvp, SinJvpOnly, SinWithJvp, fresh
 
 import vjpkit
+from vjpkit import _jax_internals
 
 # ---------------------------------------------------------------------------
 # Functions with both rules, each paired with its plain-jnp reference.
@@ -370,3 +371,74 @@ def test_once_differentiable_backward_raises_under_hessian_with_both_rules():
     with pytest.raises(RuntimeError, match=r"Cube\.backward is decorated with @once_differentiable") as info:
         jax.jacrev(jax.grad(lambda x: Cube.apply(x).sum()))(x)
     assert type(info.value) is RuntimeError
+
+
+# ---------------------------------------------------------------------------
+# The linear function of jax.linearize, and a remat policy: what jvp computes from the residuals is kept.
+
+
+def counting_sin_and_cos(counts):
+    """``sin`` and ``cos`` that count their runs (host callbacks: each run of the program calls them)."""
+
+    def counted(name, fn):
+        def host(x):
+            counts[name] += 1
+            return fn(x).astype(x.dtype)
+
+        return lambda x: jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    return counted("sin", np.sin), counted("cos", np.cos)
+
+
+POLICIES = {
+    "no checkpoint": None,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    "save_anything_except_these_names": jax.checkpoint_policies.save_anything_except_these_names("other"),
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+@pytest.mark.skipif(
+    not _jax_internals.LINEARIZE_IS_TOLD_FROM_VJP,
+    reason="this JAX lacks LinearizeTrace.is_vjp (jax.linearize is told from jax.vjp from JAX 0.9 on)",
+)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_linear_function_keeps_what_jvp_computes_from_the_residuals_as_a_custom_jvp_does(policy):
+    # Issue 29 item 4: jax.linearize's linear function ran jvp's cos(x) again on every call, (sin, cos) runs
+    # (0, 1) per call where jax.custom_jvp gives (0, 0), and no remat policy could save it.
+    counts = collections.Counter()
+    sin, cos = counting_sin_and_cos(counts)
+
+    class CountedSin(vjpkit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_forward(x)
+            ctx.save_for_backward(x)
+            return sin(x)
+
+        @staticmethod
+        def jvp(ctx, t):
+            (x,) = ctx.saved_tensors
+            return cos(x) * t
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return cos(x) * g
+
+    reference = jax.custom_jvp(sin)
+    reference.defjvp(lambda primals, tangents: (sin(primals[0]), cos(primals[0]) * tangents[0]))
+
+    def runs_per_call(f):
+        if POLICIES[policy] is not None:
+            f = jax.checkpoint(f, policy=POLICIES[policy])
+        x = jnp.array([0.3, -1.2])
+        _, f_jvp = jax.linearize(f, x)
+        counts.clear()
+        tangents = [f_jvp(t) for t in (jnp.ones(2), 2 * jnp.ones(2))]
+        np.testing.assert_allclose(tangents[1], 2 * np.cos(x), rtol=1e-6)
+        return counts["sin"] / 2, counts["cos"] / 2
+
+    expected = runs_per_call(reference)
+    assert expected == ((0, 1) if policy == "nothing_saveable" else (0, 0))
+    assert runs_per_call(CountedSin.apply) == expected

@@ -1,10 +1,23 @@
-"""Under ``jax.vmap``, an output that does not depend on a batched input stays unbatched, differentiated too.
+"""Under ``jax.vmap`` a Function is a loop over its examples, whatever its rules, in both modes.
 
-``vmap(F, in_axes=(0, None), out_axes=(0, None))`` of ``F(x, w) = (sin(x) * w, w ** 2)``:
-the second output depends on ``w`` alone, so ``out_axes=None`` may take it
-out unbatched, under every transformation around or inside the vmap. Each
-result equals the same transformation of the same math in plain ``jnp``,
-for a Function with backward only, with both rules, and with jvp only.
+An output that depends on no batched input, in value and in derivative,
+stays unbatched: ``vmap(F, in_axes=(0, None), out_axes=(0, None))`` of
+``F(x, w) = (sin(x) * w, w ** 2)`` takes the second output out unbatched,
+under every transformation around or inside the vmap, and each result
+equals the same transformation of the same math in plain ``jnp`` (these
+rules are forward's derivative), for a Function with backward only, with
+both rules, and with jvp only.
+
+An output whose value does not depend on the batch but whose derivative
+does (the rules are not forward's derivative: a constant forward with a
+straight-through rule) comes out batched, as JAX batches a ``jax.custom_jvp``:
+each example's derivative is its own; a backward that is not linear in
+its cotangents runs per example. Those tests take their expected values
+from a Python loop over the examples and from a plain ``jax.custom_jvp``
+with the same rule, never from differentiating forward. Where the vmap
+fixed such an output's batch axis by its value before differentiating
+(a jit inside the vmap, or around it and differentiated from outside), no
+example can get its own derivative: vjpkit raises.
 """
 
 import jax
@@ -13,6 +26,8 @@ import numpy as np
 import pytest
 from functions import REFERENCE, WeightedSin, WeightedSinJvpOnly, WeightedSinWithJvp, ZerosNoRules
 from jax import lax
+
+import vjpkit
 
 XS = jnp.array([0.1, 0.5, -1.0, 2.0, 0.3])
 W = jnp.float32(1.5)
@@ -188,16 +203,261 @@ def test_jacfwd_along_the_unbatched_input(cls, jit):
     close(got(W), expected(W))
 
 
-def test_rules_that_move_an_output_constant_along_the_batch_give_the_mean_derivative():
-    # forward ignores x, backward passes the gradient through (a straight-through estimator of a constant): the
-    # output is unbatched, and its derivative is the mean of the per-example ones (jax.custom_vjp gives each
-    # example the sum of the cotangents, 6.0 here; per example it would be each one's own weight).
-    class Constant(ZerosNoRules):
-        @staticmethod
-        def backward(ctx, g):
-            return g
+# ---------------------------------------------------------------------------
+# Rules that are not forward's derivative: the loop and a plain jax.custom_jvp are the references.
 
-    weights = jnp.array([1.0, 2.0, 3.0])
-    grad = jax.grad(lambda x: jnp.sum(weights * jax.vmap(Constant.apply)(x)))
-    close(grad(jnp.arange(3.0)), jnp.full(3, 2.0))
-    close(jax.jit(grad)(jnp.arange(3.0)), jnp.full(3, 2.0))
+
+def loop(fn, in_axes, *args):
+    """``fn`` on each example (arguments with in_axes 0 indexed, None passed whole), its results stacked."""
+    size = next(len(a) for a, axis in zip(args, in_axes, strict=True) if axis == 0)
+    results = [fn(*(a[b] if axis == 0 else a for a, axis in zip(args, in_axes, strict=True))) for b in range(size)]
+    return jax.tree.map(lambda *r: jnp.stack(r), *results)
+
+
+def with_rules(base, name, rules):
+    """``base`` (forward only) with the named ``rules`` among ``jvp`` and ``backward``."""
+    return type(name, (base,), {"rules": rules, **{rule: staticmethod(RULES[base][rule]) for rule in rules}})
+
+
+class Passes(ZerosNoRules):
+    """The issue's ``Z``: forward returns zeros, the rules pass the derivative through (a straight-through constant)."""
+
+
+class MovesWithX(vjpkit.Function):
+    """``F(x, w) = (x * w, 2 * w)`` whose rules say the second output moves with ``x`` at slope 1."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        ctx.save_for_forward(x, w)
+        return x * w, 2 * w
+
+
+class Slope7(vjpkit.Function):
+    """Forward ``11 * x``, rules of slope 7: a tangent that does not depend on the batch when ``t`` does not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return 11 * x
+
+
+def _moves_with_x_jvp(ctx, tx, tw):
+    x, w = ctx.saved_tensors
+    return w * tx + x * tw, tx + 2 * tw
+
+
+def _moves_with_x_backward(ctx, g_product, g_twice):
+    x, w = ctx.saved_tensors
+    return g_product * w + g_twice, g_product * x + 2 * g_twice
+
+
+RULES = {
+    Passes: {"jvp": lambda ctx, t: t, "backward": lambda ctx, g: g},
+    MovesWithX: {"jvp": _moves_with_x_jvp, "backward": _moves_with_x_backward},
+    Slope7: {"jvp": lambda ctx, t: 7 * t, "backward": lambda ctx, g: 7 * g},
+}
+RULE_SETS = {"backward": ("backward",), "both": ("jvp", "backward"), "jvp": ("jvp",)}
+
+
+def functions(base, rule_sets=tuple(RULE_SETS)):
+    return pytest.mark.parametrize(
+        "fn", [with_rules(base, f"{base.__name__}_{k}", RULE_SETS[k]) for k in rule_sets], ids=list(rule_sets)
+    )
+
+
+# The same rules as plain jax.custom_jvp's (a backward's transpose is the jvp written here).
+passes_reference = jax.custom_jvp(lambda x: jnp.zeros_like(x))
+passes_reference.defjvp(lambda primals, tangents: (jnp.zeros_like(primals[0]), tangents[0]))
+moves_with_x_reference = jax.custom_jvp(lambda x, w: (x * w, 2 * w))
+moves_with_x_reference.defjvp(
+    lambda p, t: ((p[0] * p[1], 2 * p[1]), (p[1] * t[0] + p[0] * t[1], t[0] + 2 * t[1]))
+)
+slope_7_reference = jax.custom_jvp(lambda x: 11 * x)
+slope_7_reference.defjvp(lambda p, t: (11 * p[0], 7 * t[0]))
+
+EXAMPLES = jnp.array([0.0, 1.0, 2.0])
+PER_EXAMPLE = jnp.array([1.0, 2.0, 4.0])  # the issue's tangents
+WEIGHTS = jnp.array([1.0, 10.0, 100.0])  # the issue's c
+MAYBE_JIT = pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
+
+
+@functions(Passes, ("both", "jvp"))
+@MAYBE_JIT
+def test_jvp_under_vmap_of_a_constant_output_is_each_examples_own(fn, wrap):
+    # The issue's Z: the mean convention gave [2.33, 2.33, 2.33].
+    def jvp_of(f):
+        return lambda x, t: jax.jvp(f, (x,), (t,))
+
+    expected = loop(jvp_of(passes_reference), (0, 0), EXAMPLES, PER_EXAMPLE)
+    close(expected[1], PER_EXAMPLE)
+    close(jax.vmap(jvp_of(passes_reference))(EXAMPLES, PER_EXAMPLE), expected)
+    close(wrap(jax.vmap(jvp_of(fn.apply)))(EXAMPLES, PER_EXAMPLE), expected)
+    # Around the vmap, the primal is batched with its tangent (JAX's custom_jvp does the same).
+    close(wrap(jvp_of(jax.vmap(fn.apply)))(EXAMPLES, PER_EXAMPLE), expected)
+    close(jax.jvp(jax.vmap(passes_reference), (EXAMPLES,), (PER_EXAMPLE,)), expected)
+    linearized = jax.vmap(lambda x, t: jax.linearize(fn.apply, x)[1](t))
+    close(wrap(linearized)(EXAMPLES, PER_EXAMPLE), PER_EXAMPLE)
+
+
+@functions(Passes)
+@MAYBE_JIT
+def test_grad_through_a_constant_output_under_vmap_is_each_examples_own(fn, wrap):
+    # The mean convention gave each example the mean weight (37.0).
+    def loss(f):
+        return lambda x: jnp.sum(WEIGHTS * jax.vmap(f)(x))
+
+    expected = loop(jax.grad(lambda x, c: c * passes_reference(x)), (0, 0), EXAMPLES, WEIGHTS)
+    close(expected, WEIGHTS)
+    close(jax.grad(loss(passes_reference))(EXAMPLES), expected)
+    close(wrap(jax.grad(loss(fn.apply)))(EXAMPLES), expected)
+    _, pullback = jax.vjp(jax.vmap(fn.apply), EXAMPLES)
+    close(wrap(pullback)(WEIGHTS), (expected,))
+
+
+@functions(MovesWithX)
+@MAYBE_JIT
+def test_grad_through_an_output_constant_in_value_that_moves_with_the_batch(fn, wrap):
+    # The issue's F: the mean convention gave [37, 37, 37] for x, where vmap(grad), the loop and a custom_jvp
+    # give each example its own weight.
+    w = jnp.float32(3.0)
+
+    def loss(f):
+        return lambda xs, w: (WEIGHTS * jax.vmap(f, (0, None))(xs, w)[1]).sum()
+
+    def one(f):
+        return lambda x, c, w: c * f(x, w)[1]
+
+    per_example = loop(jax.grad(one(moves_with_x_reference), (0, 2)), (0, 0, None), EXAMPLES, WEIGHTS, w)
+    expected = (per_example[0], per_example[1].sum())  # w is shared: its gradient sums over the examples
+    close(expected, (WEIGHTS, 2 * WEIGHTS.sum()))
+    close(jax.grad(loss(moves_with_x_reference), (0, 1))(EXAMPLES, w), expected)
+    close(wrap(jax.grad(loss(fn.apply), (0, 1)))(EXAMPLES, w), expected)
+    close(wrap(jax.vmap(jax.grad(one(fn.apply)), (0, 0, None)))(EXAMPLES, WEIGHTS, w), WEIGHTS)
+
+
+@functions(MovesWithX, ("both", "jvp"))
+@MAYBE_JIT
+def test_forward_mode_through_an_output_constant_in_value_that_moves_with_the_batch(fn, wrap):
+    w, tw = jnp.float32(3.0), jnp.float32(0.5)
+
+    def loss(f):
+        return lambda xs, w: (WEIGHTS * jax.vmap(f, (0, None))(xs, w)[1]).sum()
+
+    expected = jax.jvp(loss(moves_with_x_reference), (EXAMPLES, w), (PER_EXAMPLE, tw))
+    close(expected[1], (WEIGHTS * (PER_EXAMPLE + 2 * tw)).sum())
+    close(wrap(lambda p, t: jax.jvp(loss(fn.apply), p, t))((EXAMPLES, w), (PER_EXAMPLE, tw)), expected)
+    close(wrap(jax.jacfwd(loss(fn.apply)))(EXAMPLES, w), WEIGHTS)
+
+
+@functions(MovesWithX, ("both",))
+def test_both_modes_of_a_vmap_equal_the_loop_and_each_other(fn):
+    w = jnp.float32(3.0)
+    tangents = (PER_EXAMPLE, jnp.float32(0.5))
+    cotangents = (jnp.array([0.3, -1.0, 2.0]), WEIGHTS)
+    batched_fn = jax.vmap(fn.apply, (0, None))
+    _, tangents_out = jax.jvp(batched_fn, (EXAMPLES, w), tangents)
+    # The loop: each example's jvp, and the sum of each example's vjp (w is shared).
+    expected_tangents = loop(lambda x, t: jax.jvp(moves_with_x_reference, (x, w), (t, tangents[1]))[1], (0, 0),
+                             EXAMPLES, PER_EXAMPLE)
+    close(tangents_out, expected_tangents)
+    _, pullback = jax.vjp(batched_fn, EXAMPLES, w)
+    gx, gw = pullback(cotangents)
+    per_example = loop(lambda x, c1, c2: jax.vjp(moves_with_x_reference, x, w)[1]((c1, c2)), (0, 0, 0), EXAMPLES,
+                       *cotangents)
+    close((gx, gw), (per_example[0], per_example[1].sum()))
+    # <cotangent, J tangent> = <J^T cotangent, tangent>
+    forward = sum(jnp.vdot(c, t) for c, t in zip(cotangents, tangents_out, strict=True))
+    reverse = jnp.vdot(gx, tangents[0]) + gw * tangents[1]
+    close(forward, reverse)
+
+
+@functions(MovesWithX)
+def test_an_output_constant_in_value_that_moves_with_the_batch_comes_out_batched(fn):
+    # As JAX batches a custom_jvp: differentiated, its primal is batched with its tangent (out_axes=None refuses
+    # it); not differentiated, it stays unbatched.
+    w = jnp.float32(3.0)
+    unbatched = jax.vmap(fn.apply, (0, None), out_axes=(0, None))
+    close(unbatched(EXAMPLES, w), (EXAMPLES * w, 2 * w))
+    batched = jax.vmap(fn.apply, (0, None))
+    with pytest.raises(ValueError, match="out_axes"):
+        jax.vjp(jax.vmap(moves_with_x_reference, (0, None), out_axes=(0, None)), EXAMPLES, w)
+    with pytest.raises(ValueError, match="out_axes"):
+        jax.vjp(unbatched, EXAMPLES, w)
+    out, _ = jax.vjp(batched, EXAMPLES, w)
+    close(out, (EXAMPLES * w, jnp.full(3, 2 * w)))
+    if "jvp" in fn.rules:
+        with pytest.raises(ValueError, match="out_axes"):
+            jax.jvp(unbatched, (EXAMPLES, w), (PER_EXAMPLE, jnp.float32(0.0)))
+
+
+@functions(Slope7, ("both", "jvp"))
+@MAYBE_JIT
+def test_a_tangent_that_does_not_depend_on_the_batch_stays_unbatched(fn, wrap):
+    # Issue 29 item 4: PyTorch and jax.custom_jvp give ([0, 11, 22], 28.0); vjpkit raised "batched on axis 0".
+    t = jnp.float32(4.0)
+
+    def jvp_of(f):
+        return lambda x, t: jax.jvp(f, (x,), (t,))
+
+    expected = jax.vmap(jvp_of(slope_7_reference), in_axes=(0, None), out_axes=(0, None))(EXAMPLES, t)
+    close(expected, (jnp.array([0.0, 11.0, 22.0]), jnp.float32(28.0)))
+    primals, tangents = loop(jvp_of(slope_7_reference), (0, None), EXAMPLES, t)
+    close((primals, tangents), (expected[0], jnp.full(3, 28.0)))
+    got = wrap(jax.vmap(jvp_of(fn.apply), in_axes=(0, None), out_axes=(0, None)))(EXAMPLES, t)
+    close(got, expected)
+
+
+class ClippedSquare(vjpkit.Function):
+    """``(x * w, w ** 2)`` whose backward clips the second output's gradient: not linear in its cotangents."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w, w**2
+
+    @staticmethod
+    def backward(ctx, g_product, g_square):
+        x, w = ctx.saved_tensors
+        return g_product * w, g_product * x + jnp.clip(2 * w * g_square, -1.0, 1.0)
+
+
+def test_a_backward_not_linear_in_its_cotangents_runs_per_example():
+    # Each example's backward sees its own cotangent, as in the loop: clip(6 c) summed over the examples,
+    # not clip of a share of their sum.
+    w, weights = jnp.float32(3.0), jnp.array([0.01, 0.1, 1.0])
+    grad = jax.grad(lambda xs, w: (weights * jax.vmap(ClippedSquare.apply, (0, None))(xs, w)[1]).sum(), 1)
+    per_example = loop(jax.grad(lambda x, c, w: c * ClippedSquare.apply(x, w)[1], 2), (0, 0, None), EXAMPLES,
+                       weights, w)
+    close(per_example, jnp.clip(6 * weights, -1.0, 1.0))
+    close(grad(EXAMPLES, w), per_example.sum())
+    close(jax.jit(grad)(EXAMPLES, w), per_example.sum())
+
+
+@functions(MovesWithX)
+@pytest.mark.parametrize("inside", STAGED_INSIDE)
+def test_a_vmap_that_batched_the_output_by_its_value_first_refuses_a_batched_derivative(fn, inside):
+    # A vmap of a jaxpr fixes the batch axes of a call's outputs by forward alone; the rule is batched later,
+    # when differentiated. JAX's own custom_jvp then gives each example the sum of the examples' derivatives
+    # here (3x the loop's); vjpkit says why it cannot give the loop's.
+    w = jnp.float32(3.0)
+
+    def loss(f):
+        return lambda xs, w: (WEIGHTS * jax.vmap(STAGED_INSIDE[inside](f), (0, None))(xs, w)[1]).sum()
+
+    with pytest.raises(ValueError, match="fixed the output's batch axis by its value alone"):
+        jax.grad(loss(fn.apply), (0, 1))(EXAMPLES, w)
+    if "jvp" in fn.rules:
+        with pytest.raises(ValueError, match="fixed the output's batch axis by its value alone"):
+            jax.jvp(loss(fn.apply), (EXAMPLES, w), (PER_EXAMPLE, jnp.float32(0.5)))
+    # Differentiated where the vmap batches the call and its rule together, each example gets its own.
+    close(jax.jit(jax.grad(lambda xs, w: (WEIGHTS * jax.vmap(fn.apply, (0, None))(xs, w)[1]).sum()))(EXAMPLES, w),
+          WEIGHTS)
+
+
+@functions(Passes)
+def test_grad_of_a_jit_around_the_vmap_refuses_a_batched_derivative_of_a_constant_output(fn):
+    # jax.grad(jax.jit(f)) traces f (and its vmap) first: the vmap fixes the output unbatched, as above.
+    loss = jax.jit(lambda x: jnp.sum(WEIGHTS * jax.vmap(fn.apply)(x)))
+    with pytest.raises(ValueError, match="fixed the output's batch axis by its value alone"):
+        jax.grad(loss)(EXAMPLES)
+    close(jax.jit(jax.grad(lambda x: jnp.sum(WEIGHTS * jax.vmap(fn.apply)(x))))(EXAMPLES), WEIGHTS)

@@ -7,13 +7,17 @@ tangent through this primitive: evaluating it runs ``apply`` (the user's
 jvp); transposing it runs ``transpose`` (the user's backward) inline, as
 JAX runs a ``custom_vjp``'s backward, so a derivative of the gradient
 differentiates backward's code. Unlike JAX's own
-``custom_derivatives.linear_call`` it batches (both rules, lazily, under
-``jax.vmap``, an output whose primal is unbatched staying unbatched) and
-its JVP also differentiates through the residuals, so
-``jax.hessian``, ``jacfwd(jacrev)`` and ``jacrev(jacfwd)`` are right.
-It also declares the effects of the rule it runs (``jax.debug.print``,
-ordered or not), keeps ``shard_map``'s varying types, and batches under the
-vmap's axis name, so that collectives over it work inside the rules.
+``custom_derivatives.linear_call`` it batches (both rules, lazily, as a
+loop over the examples under ``jax.vmap``: an output is batched where the
+rule that runs makes it depend on the batch) and its JVP also
+differentiates through the residuals, so ``jax.hessian``,
+``jacfwd(jacrev)`` and ``jacrev(jacfwd)`` are right. Where forward mode
+runs ``apply``, its work on the residuals alone runs before the call, so
+that ``jax.linearize`` and ``jax.checkpoint``'s policies keep it, as they
+keep a ``custom_jvp`` rule's. It also declares the effects of the rule it
+runs (``jax.debug.print``, ordered or not), keeps ``shard_map``'s varying
+types, and batches under the vmap's axis name, so that collectives over it
+work inside the rules.
 """
 
 from __future__ import annotations
@@ -69,14 +73,68 @@ def linear_call(
     ``out_avals`` are ``apply``'s output types (no tracing to find them).
     ``primals``: where a vmap may batch the call (under ``jax.vmap``, or
     traced into a jaxpr), the primal of each linear input, then of each
-    output; empty elsewhere. Only their batch axes are read: an output
-    whose primal is not batched stays unbatched (see ``_linear_call_batch``).
+    output; empty elsewhere. The outputs' batch axes are carried (see
+    ``_linear_call_batch``): a vmap that fixed them before batching the rule
+    cannot batch an output's tangent apart from it.
     ``recorded``: the caller knows that reverse mode records the call to
     transpose it (otherwise the callers say, see ``_LinearCallPrimitive``).
     """
-    witnesses = tuple(map(_batch_witness, primals))
+    witnesses = tuple(map(_batch_witness, primals[len(linear_inputs):]))
+    traced = None
+    if not (recorded or hasattr(apply, "forward_mode_error")):
+        residuals, apply, transpose, traced = _residual_work_first(tuple(residuals), witnesses, tuple(linear_inputs),
+                                                                   apply, transpose, tuple(out_avals))
     return _bind(residuals, witnesses, linear_inputs, apply=apply, transpose=transpose, out_avals=out_avals,
-                 name=name, recorded=recorded)
+                 name=name, traced=traced, recorded=recorded)
+
+
+def _residual_work_first(residuals: tuple, witnesses: tuple, linear_inputs: tuple, apply: Callable,
+                         transpose: Callable | None, out_avals: tuple) -> tuple:
+    """``apply``'s work on the residuals alone done before the call, as plain JAX operations; the rest in the call.
+
+    Why: partial evaluation sees into no primitive's rule. ``jax.linearize``
+    and ``jax.checkpoint``'s policies split a ``custom_jvp``'s rule into the
+    work known from the primals (``cos(x)``), which they keep or save, and
+    the work on the tangents (``cos_x * t``), which the linear function
+    runs; kept inside the call, the first would run again on every call of
+    that function, whatever the policy. The call then gets the values that
+    work computed as residuals too (``transpose`` still sees only its own).
+    Only under ``jax.linearize`` (JAX 0.9 on; before, it cannot be told
+    from reverse mode, whose ``apply`` never runs), around or inside the
+    ``jax.checkpoint``: elsewhere (``jax.jvp``, ``jax.jacfwd``) the call
+    runs once, and splitting it would only cost tracing. Not for a rule
+    with effects (they stay where the rule runs).
+
+    Returns the call's residuals, rules and traced rule (None: traced when
+    bound). The rule is traced here once, as binding it would trace it.
+    """
+    if _jax_internals.differentiation("custom_jvp rule") != "linearize":
+        return residuals, apply, transpose, None
+    num_res, num_witnesses = len(residuals), len(witnesses)
+    in_avals = tuple(map(_jax_internals.typeof, residuals + witnesses + linear_inputs))
+    traced = _TracedRule(apply, num_res, num_witnesses, out_avals)
+    jaxpr = traced.jaxpr(in_avals)
+    if jaxpr.effects:
+        return residuals, apply, transpose, traced
+    unknowns = [False] * (num_res + num_witnesses) + [True] * len(linear_inputs)
+    known, unknown = _jax_internals.split_known(jaxpr, unknowns)
+    if not known.eqns:
+        return residuals, apply, transpose, traced
+    with _jax_internals.on_primal_trace(residuals):
+        computed = tuple(jaxpr_as_fun(known)(*residuals, *witnesses))
+    linear_part = jaxpr_as_fun(unknown)
+
+    def apply_rest(res: tuple, lin: tuple) -> list:
+        return linear_part(*res[num_res:], *lin)
+
+    if transpose is None:  # JAX transposes the linear part
+        return residuals + computed, apply_rest, None, None
+
+    def transpose_own(res: tuple, cts: tuple) -> list:
+        return transpose(res[:num_res], cts)
+
+    transpose_own.takes_symbolic_zeros = getattr(transpose, "takes_symbolic_zeros", False)  # type: ignore[attr-defined]
+    return residuals + computed, apply_rest, transpose_own, None
 
 
 def _bind(residuals: Sequence[Any], witnesses: tuple, linear_inputs: Sequence[Any], *, apply: Callable,
@@ -111,8 +169,7 @@ def _linear_call_partial_eval(trace: Any, *tracers: Any, num_res: int, num_witne
 
     Why: partial evaluation (``jax.linearize``, reverse mode) would keep them
     as residuals, for a call that is then evaluated or transposed, never
-    batched by them; the tangents it computes are already batched where
-    they need be.
+    batched by them.
     """
     res, witnesses, lin = _parts(tracers, num_res, num_witnesses)
     if witnesses and not all(t.is_known() for t in tracers):
@@ -328,6 +385,14 @@ def _linear_call_jvp(primals, tangents, *, num_res, num_witnesses, apply, transp
 
 def _linear_call_batch(axis_data, args, dims, *, num_res, num_witnesses, apply, transpose, out_avals, name, traced,
                        recorded):
+    """A loop over the examples, whatever the rules: each example's tangents from its own residuals and inputs.
+
+    An output is batched where the rule that runs makes it depend on the
+    batch (``_batched_outputs``, as JAX batches a ``custom_jvp``'s rule),
+    whether or not its primal does: under ``jax.jvp`` or ``jax.grad`` of the
+    vmap JAX then batches the primal with it. An output unbatched in value
+    and in derivative stays unbatched.
+    """
     axis_names = _jax_internals.vmap_axis_names(axis_data)
     res, witnesses, lin = _parts(args, num_res, num_witnesses)
     if all(d is None for d in dims) and axis_names["axis_name"] is None:
@@ -335,95 +400,146 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, num_witnesses, apply, 
         return out, [None] * len(out)
     size = axis_data.size
     res_dims, witness_dims, lin_dims = _parts(dims, num_res, num_witnesses)
-    res = tuple(
-        x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(res, res_dims, strict=True)
-    )
+    res = tuple(x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(res, res_dims, strict=True))
+    lin = tuple(x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(lin, lin_dims, strict=True))
     res_axes = tuple(None if d is None else 0 for d in res_dims)
-    # Every linear input batched at 0: the transposed rule then maps cleanly.
-    lin = tuple(batching.bdim_at_front(x, d, size) for x, d in zip(lin, lin_dims, strict=True))
-    unbatched = _unbatched_outputs(witness_dims, lin_dims, len(out_avals))
-    ct_axes = tuple(None if u else 0 for u in unbatched)
+    lin_axes = tuple(None if d is None else 0 for d in lin_dims)
+    # The outputs' batch axes (witnesses: none where no vmap may batch the call, nor after partial evaluation).
+    outputs_batched = bool(witness_dims) and all(d is not None for d in witness_dims)
+    rule_batching = _jax_internals.custom_jvp_rule_batching() if witness_dims else None
+    batched_jaxpr = None
+    if outputs_batched and rule_batching is not None:
+        # Each output is batched in value, so JAX batches its tangent anyway: nothing to learn from the rule.
+        batched = [True] * len(out_avals)
+    else:
+        batched, batched_jaxpr = _batched_outputs(apply, transpose, recorded, res, lin, res_axes + lin_axes,
+                                                  out_avals, axis_data)
+    if rule_batching == "after its function" and any(
+        b and d is None for b, d in zip(batched, witness_dims, strict=True)
+    ):
+        raise _batched_apart_from_output(name)
+    out_axes = tuple(0 if b else None for b in batched)
 
-    def vmapped(rule: Callable, in_axes: Any) -> Callable:
-        def batched_rule(r: tuple, xs: tuple) -> list:
-            return jax.vmap(
-                lambda r_, xs_: list(rule(r_, xs_)), in_axes=(res_axes, in_axes), axis_size=size, **axis_names
-            )(r, tuple(xs))
+    def batched_apply(r: tuple, xs: tuple) -> list:
+        if batched_jaxpr is not None:  # apply as batched for the outputs' axes: its code runs once
+            return jaxpr_as_fun(batched_jaxpr)(*r, *xs)
+        return jax.vmap(lambda r_, xs_: list(apply(r_, xs_)), in_axes=(res_axes, lin_axes), out_axes=list(out_axes),
+                        axis_size=size, **axis_names)(r, tuple(xs))
 
-        batched_rule.takes_symbolic_zeros = getattr(rule, "takes_symbolic_zeros", False)  # type: ignore[attr-defined]
-        if hasattr(rule, "forward_mode_error"):
-            batched_rule.forward_mode_error = rule.forward_mode_error  # type: ignore[attr-defined]
-        return batched_rule
-
-    batched_apply = vmapped(apply, 0)
-    batched_transpose = None if transpose is None else vmapped(transpose, ct_axes)
-    if any(unbatched):
-        batched_apply = _mean_where(batched_apply, unbatched)
-        if batched_transpose is not None:
-            batched_transpose = _spread_where(batched_transpose, unbatched, size)
+    if hasattr(apply, "forward_mode_error"):
+        batched_apply.forward_mode_error = apply.forward_mode_error  # type: ignore[attr-defined]
+    batched_transpose = None
+    if transpose is not None:
+        batched_transpose = _batched_transpose(transpose, res_axes, lin_axes, out_axes, size, axis_names)
     batched_out_avals = tuple(
-        a if u else _jax_internals.batched_aval(a, size, axis_data) for a, u in zip(out_avals, unbatched, strict=True)
+        _jax_internals.batched_aval(a, size, axis_data) if b else a for a, b in zip(out_avals, batched, strict=True)
     )
     out = _bind(res, witnesses, lin, apply=batched_apply, transpose=batched_transpose, out_avals=batched_out_avals,
                 name=name)
-    return out, [None if u else 0 for u in unbatched]
+    return out, list(out_axes)
 
 
-def _unbatched_outputs(witness_dims: Sequence[Any], lin_dims: Sequence[Any], n_out: int) -> list[bool]:
-    """Which outputs stay unbatched: those whose primal is not batched, when every batched tangent's primal is.
+def _batched_apart_from_output(name: str) -> ValueError:
+    """The error for a tangent batched where a vmap fixed its output unbatched before batching the rule.
 
-    The witnesses' axes are those of the primal of each linear input, then of
-    each output (none outside a vmap: then every output is batched). An
-    output whose primal does not depend on the batch has a derivative that
-    does not either (its tangent comes from tangents of inputs that it
-    depends on, all unbatched); but under ``jax.jacfwd`` (a vmap of tangents
-    around unbatched primals) tangents vary where primals do not, and every
-    output is batched.
+    Why: a vmap that batches a call inside a jaxpr fixes its outputs' batch
+    axes by forward alone (``_jax_internals.vmap_fixed_outputs_before_rule``),
+    so an output whose value does not depend on the batch but whose
+    derivative does (rules that are not forward's derivative) cannot get
+    each example's derivative there; JAX would broadcast the tangent against
+    the fixed axes (for a ``jax.custom_jvp``: per example the sum of the
+    examples' derivatives, or an error inside JAX).
     """
-    if not witness_dims:
-        return [False] * n_out
-    in_dims, out_dims = witness_dims[:len(lin_dims)], witness_dims[len(lin_dims):]
-    if any(t is not None and p is None for t, p in zip(lin_dims, in_dims, strict=True)):
-        return [False] * n_out
-    return [d is None for d in out_dims]
+    return ValueError(
+        f"{name} has an output that does not vary along a jax.vmap but whose derivative does ({name}'s rules "
+        "make it vary along the batch), and that vmap fixed the output's batch axis by its value alone, before "
+        f"differentiating: it batched {name} inside a jit, checkpoint, scan or cond, or inside a jit that is "
+        "differentiated from outside. There JAX cannot give each example its own derivative of an unbatched "
+        "output (a jax.custom_jvp gets a wrong one, or fails inside JAX). Differentiate inside the jit "
+        "(jax.jit(jax.grad(f)), not jax.grad(jax.jit(f))) with the vmap outside jit, checkpoint, scan and "
+        f"cond, or make that output of {name}.forward depend on the batched input."
+    )
 
 
-def _mean_where(batched_apply: Callable, unbatched: Sequence[bool]) -> Callable:
-    """The batched rule with each unbatched output the mean of its per-example values.
+def _batched_transpose(transpose: Callable, res_axes: tuple, lin_axes: tuple, out_axes: tuple, size: int,
+                       axis_names: dict) -> Callable:
+    """``transpose`` run per example: the transpose of the batched call.
 
-    Why the mean: the per-example values of an output whose primal does not
-    depend on the batch are equal (for a rule that is the derivative of
-    forward), and the mean is linear, with a transpose (``_spread_where``)
-    that reverse mode can run by the user's backward.
-    """
-
-    def rule(r: tuple, xs: tuple) -> list:
-        outs = batched_apply(r, xs)
-        return [jnp.mean(o, axis=0) if u else o for o, u in zip(outs, unbatched, strict=True)]
-
-    for attribute in ("takes_symbolic_zeros", "forward_mode_error"):
-        if hasattr(batched_apply, attribute):
-            setattr(rule, attribute, getattr(batched_apply, attribute))
-    return rule
-
-
-def _spread_where(batched_transpose: Callable, unbatched: Sequence[bool], size: int) -> Callable:
-    """The transpose of ``_mean_where``: each example gets an unbatched output's cotangent divided by ``size``.
-
-    Why not the whole cotangent to each example (as ``jax.custom_vjp`` under
-    vmap does): backward would count it once per example wherever it adds
-    to an unbatched input's gradient (``F(x, w) = (x * w, w ** 2)`` under
-    ``vmap(F, (0, None), out_axes=(0, None))`` gives ``w`` the gradient of
-    ``w ** 2`` ``size`` times).
+    An unbatched output has one value, every example's: each example gets
+    an equal share of its cotangent (the examples' rows of the rule are
+    equal, so this is the transpose of taking that value). An unbatched
+    input's cotangent is the sum of the examples' (the transpose of
+    handing every example the same input).
     """
 
-    def rule(r: tuple, cts: tuple) -> list:
-        return batched_transpose(r, tuple(
-            ct / size if u and ct is not None else ct for ct, u in zip(cts, unbatched, strict=True)
-        ))
+    def batched(r: tuple, cts: tuple) -> list:
+        cts = tuple(ct / size if a is None and ct is not None else ct for ct, a in zip(cts, out_axes, strict=True))
+        per_example = jax.vmap(lambda r_, cts_: list(transpose(r_, cts_)), in_axes=(res_axes, out_axes),
+                               axis_size=size, **axis_names)(r, cts)
+        return [ct if a == 0 else jnp.sum(ct, axis=0) for ct, a in zip(per_example, lin_axes, strict=True)]
 
-    rule.takes_symbolic_zeros = getattr(batched_transpose, "takes_symbolic_zeros", False)  # type: ignore[attr-defined]
-    return rule
+    batched.takes_symbolic_zeros = getattr(transpose, "takes_symbolic_zeros", False)  # type: ignore[attr-defined]
+    return batched
+
+
+def _batched_outputs(apply: Callable, transpose: Callable | None, recorded: bool, res: tuple, lin: tuple,
+                     in_axes: tuple, out_avals: Sequence[Any], axis_data: Any) -> tuple[list[bool], Any]:
+    """Which outputs of the call vary along the batch: where the rule that runs makes an example's depend on it.
+
+    Read from that rule traced for one example and batched by JAX, as JAX
+    batches a ``custom_jvp``'s: ``apply`` (the user's jvp, or backward
+    transposed), or where reverse mode records the call (``apply`` never
+    runs then), or where ``apply`` cannot be traced, ``transpose`` (the
+    user's backward) transposed by JAX. A backward that JAX cannot
+    transpose (not linear in the cotangents: clipped or sign gradients)
+    batches every output, for a loop over the examples is right for any
+    rule; a rule that cannot be traced at all says nothing (its error comes
+    where it runs). Also returns ``apply`` batched, as a jaxpr of the
+    batched residuals and linear inputs, where it was traced (else None).
+    """
+    size, in_batched = axis_data.size, [a is not None for a in in_axes]
+    avals = [
+        _jax_internals.example_aval(_jax_internals.typeof(x), size) if a == 0 else _jax_internals.typeof(x)
+        for x, a in zip(res + lin, in_axes, strict=True)
+    ]
+    if transpose is None or not recorded:
+        try:
+            jaxpr = jax.make_jaxpr(lambda *args: list(apply(*_split(args, len(res)))))(*avals)
+            batched_jaxpr, batched = _jax_internals.batch_example(jaxpr, axis_data, in_batched)
+            return batched, batched_jaxpr
+        except Exception:  # the rule reports its error where it runs; backward may still tell
+            if transpose is None:
+                return [False] * len(out_avals), None
+    rows = _rows_of(transpose, *_split(avals, len(res)), out_avals)
+    if rows is None or rows is _UNTRACEABLE:
+        return [rows is None] * len(out_avals), None
+    return _jax_internals.batch_example(rows, axis_data, in_batched)[1], None
+
+
+_UNTRACEABLE = object()
+
+
+def _rows_of(transpose: Callable, res_avals: tuple, lin_avals: tuple, out_avals: Sequence[Any]) -> Any:
+    """The jaxpr of the linear map whose transpose is ``transpose`` (of residuals and linear inputs).
+
+    ``_UNTRACEABLE`` where ``transpose`` itself cannot be traced, None where
+    JAX cannot transpose it.
+    """
+    num_res = len(res_avals)
+    try:
+        written = jax.make_jaxpr(lambda *args: list(transpose(*_split(args, num_res))))(*res_avals, *out_avals)
+    except Exception:  # the rule reports its error where it runs
+        return _UNTRACEABLE
+
+    def rows(*args: Any) -> list:
+        res, lin = _split(args, num_res)
+        backward = jaxpr_as_fun(written)
+        return list(jax.linear_transpose(lambda *cts: backward(*res, *cts), *out_avals)(list(lin)))
+
+    try:
+        return jax.make_jaxpr(rows)(*res_avals, *lin_avals)
+    except Exception:  # JAX's transpose raises several types for code that is not linear
+        return None
 
 
 ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
@@ -433,3 +549,4 @@ _jax_internals.hold_weakly_in_caches(_TracedRule)
 ad.primitive_transposes[_linear_call_p] = _linear_call_transpose
 batching.fancy_primitive_batchers[_linear_call_p] = _linear_call_batch
 partial_eval.custom_partial_eval_rules[_linear_call_p] = _linear_call_partial_eval
+

@@ -239,10 +239,11 @@ class OwnDerivative:
         Evaluating it runs ``jvp`` (or, without one, ``backward`` transposed
         by JAX); transposing it runs ``backward`` (or, without one, ``jvp``
         transposed by JAX). ``primals``: the primal of each linear input,
-        then of each differentiable output; under ``jax.vmap`` a tangent is
-        batched only where they say it may be. ``linearizing``: bound on
-        reverse mode's tangent trace (``Program.linearize``), to be
-        transposed, with no primals (partial evaluation would drop them).
+        then of each differentiable output; under ``jax.vmap`` the call
+        carries the outputs' batch axes (see ``linear_call``).
+        ``linearizing``: bound on reverse mode's tangent trace
+        (``Program.linearize``), to be transposed, with no primals (partial
+        evaluation would drop them).
         """
         spec = self.spec
         apply: Any

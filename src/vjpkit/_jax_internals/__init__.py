@@ -19,12 +19,19 @@ core.set_current_trace (a rule's forward on its        all             none
 core.get_aval                                          0.4.38 to 0.5.2 ``jax.typeof`` (0.5.3 on)
 core.ShardingTypeError                                 0.5 on          none
 core.no_axis_name, core.unmapped_aval                  all             none (vmap batching rules)
+core.mapped_aval, batching.batch_jaxpr (which outputs  all             none
+  of a rule vary along a vmap)
 batching.BatchTrace (is a vmap active)                 all             none
 batching.batch_custom_jvp_subtrace (its code: a frame  all             none
   that traces a custom_jvp's rule for a vmap)
+batching.BatchTrace.process_custom_jvp_call (its       all             none
+  code: a frame that batches a custom_jvp's function
+  and rule together)
 experimental.shard_map.ShardMapTrace (eager shard_map  0.4.38 to 0.5   none
   that refuses a custom_jvp with symbolic zeros)
 partial_eval.DynamicJaxprTrace                         all             none
+partial_eval.partial_eval_jaxpr_nounits (a rule's      all             none (public before JAX 0.10)
+  work on its residuals, split off under linearize)
 partial_eval.JaxprTrace, JaxprTracer (reverse mode's   0.4.38 to 0.6   none (and later JAX with
   jvp over partial evaluation, its known values)                       jax_use_direct_linearize off)
 partial_eval.JaxprTrace, JaxprTracer (a rule run by    0.7 on          none
@@ -57,7 +64,8 @@ Its modules, by JAX subsystem: ``_lookup`` (finding names, the modules
 looked in), ``values`` (core: types of values, vmap's batched types),
 ``traces`` (core, partial_eval, ad: the current trace, which
 differentiation runs a rule, reverse mode's linearization, where a trace
-stands), ``programs`` (effects, jit, JAX's caches, configuration states)
+stands), ``programs`` (effects, jit, JAX's caches, configuration states,
+a jaxpr split by what is known)
 and ``apis`` (sharding types, the FFI, JAX's error messages). The rest of
 vjpkit imports their names from here.
 """
@@ -83,12 +91,14 @@ from .programs import (
     ordered_effects_without_tokens,
     save_debug_info,
     save_rule_debug_info,
+    split_known,
     thread_local_flag,
     trace_configuration,
 )
 from .traces import (
     JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS,
     LINEARIZE_IS_TOLD_FROM_VJP,
+    custom_jvp_rule_batching,
     differentiating_here,
     differentiation,
     is_batching,
@@ -103,8 +113,10 @@ from .traces import (
 )
 from .values import (
     HAS_VARYING_TYPES,
+    batch_example,
     batched_aval,
     cast_to_varying,
+    example_aval,
     symbolic_zero_like,
     tangent_aval,
     typeof,
@@ -116,14 +128,15 @@ from .values import (
 __all__ = [
     "HAS_VARYING_TYPES", "INLINE_INTO_CALLER", "JAX_KEEPS_TRANSPOSED_JITS", "JAX_RELEASE",
     "JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS", "LINEARIZE_IS_TOLD_FROM_VJP", "NEWEST_TESTED_JAX", "Primitive",
-    "ShapedArray", "ShardingApi", "ad", "batched_aval", "batching", "buffer_callback_api", "cast_to_varying",
-    "closed_over_tracer_type", "differentiating_here", "differentiation", "effects_barrier", "enable_x64", "ffi_api",
-    "hold_weakly_in_caches", "is_batching",
+    "ShapedArray", "ShardingApi", "ad", "batch_example", "batched_aval", "batching", "buffer_callback_api",
+    "cast_to_varying", "closed_over_tracer_type", "custom_jvp_rule_batching", "differentiating_here",
+    "differentiation", "effects_barrier", "enable_x64", "example_aval", "ffi_api", "hold_weakly_in_caches",
+    "is_batching",
     "is_closed_over_differentiated_error", "is_staging", "linearize_inputs", "linearized_output", "mlir",
     "named_scope",
     "on_primal_trace", "on_trace", "ordered_effects_without_tokens", "partial_eval",
     "reaches_eager_shard_map_refusing_symbolic_zeros", "reverse_linearize_trace", "save_debug_info",
-    "save_rule_debug_info", "sharding_api", "symbolic_zero_like", "tangent_aval", "thread_local_flag",
+    "save_rule_debug_info", "sharding_api", "split_known", "symbolic_zero_like", "tangent_aval", "thread_local_flag",
     "trace_configuration", "typeof", "varying_axes", "varying_axes_of_type", "vmap_axis_names",
     "vmap_batches_here",
 ]

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import jax
 
-from ._lookup import _config, _pjit, _require, _require_module
+from ._lookup import _config, _pe, _pjit, _require, _require_module
 
 # ---------------------------------------------------------------------------
 # effects and mlir: lowering a primitive with effects.
@@ -196,3 +196,22 @@ def trace_configuration() -> tuple:
     """
     return _trace_context()
 
+
+
+# ---------------------------------------------------------------------------
+# partial_eval: a jaxpr split by what is known.
+
+_partial_eval_jaxpr_nounits = _require(_pe, "partial_eval_jaxpr_nounits", "jax._src.interpreters.partial_eval")
+
+
+def split_known(jaxpr: Any, unknowns: list) -> tuple[Any, Any]:
+    """``jaxpr`` split into what its known inputs alone compute, and the rest.
+
+    Returns (known, unknown): ``known`` maps the known inputs to residuals;
+    ``unknown`` maps the residuals, then the unknown inputs, to every output.
+    Why: partial evaluation sees into no primitive's rule, so a rule's work
+    on known values is split off by hand (``partial_eval_jaxpr_nounits``,
+    every supported JAX; not public from JAX 0.10).
+    """
+    known, unknown, _, _ = _partial_eval_jaxpr_nounits(jaxpr, unknowns, instantiate=True)
+    return known, unknown

@@ -242,8 +242,8 @@ _BATCH_CUSTOM_JVP = _code_in(
 def vmap_batches_here() -> bool:
     """Whether a ``jax.vmap`` batches what is bound now: under an active vmap, or traced for one to batch.
 
-    Why: a tangent's ``linear_call`` must then carry its primals' batch
-    axes (``_program.py``). The second case: a ``custom_jvp`` called in a
+    Why: a tangent's ``linear_call`` must then carry its outputs' batch
+    axes (``_linear_call.py``). The second case: a ``custom_jvp`` called in a
     jaxpr (``jit``, ``scan``, ``cond``, ``checkpoint`` inside the vmap),
     differentiated later, has its rule traced to a jaxpr of its own and
     evaluated under the vmap, by ``batching.batch_custom_jvp_subtrace``
@@ -255,6 +255,36 @@ def vmap_batches_here() -> bool:
     while frame is not None and frame.f_code is not _BATCH_CUSTOM_JVP:
         frame = frame.f_back
     return frame is not None
+
+
+_BATCH_CUSTOM_JVP_CALL = _code(_BatchTrace, "process_custom_jvp_call", "jax._src.interpreters.batching.BatchTrace")
+
+
+def custom_jvp_rule_batching() -> Literal["with its function", "after its function"] | None:
+    """How a vmap batches the ``custom_jvp`` rule running now: None where it batches none.
+
+    ``"with its function"``: the vmap processes the call, batching function
+    and rule together, so that an output is batched where its value or its
+    tangent is (``BatchTrace.process_custom_jvp_call``, around
+    ``batching.batch_custom_jvp_subtrace``). ``"after its function"``: a vmap
+    that batched the call inside a jaxpr (``jit``, ``checkpoint``, ``scan``,
+    ``cond`` inside the vmap, or a vmap inside a ``jit`` differentiated from
+    outside it) fixed the batch axes of its outputs by the function alone,
+    and batches the rule only now that a differentiation runs it; JAX then
+    broadcasts an output whose tangent is batched against the axes it fixed
+    (a wrong derivative, or an error inside JAX). None: no vmap batches a
+    ``custom_jvp`` rule (it runs inside the vmap, on batched values). Found
+    among the callers' frames, by the code of those two functions (every
+    supported JAX).
+    """
+    frame: Any = sys._getframe(1)
+    while frame is not None and frame.f_code is not _BATCH_CUSTOM_JVP:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    while frame is not None and frame.f_code is not _BATCH_CUSTOM_JVP_CALL:
+        frame = frame.f_back
+    return "after its function" if frame is None else "with its function"
 
 
 # The eager trace of ``jax.experimental.shard_map`` (a shard_map called outside jit) runs a custom_jvp's function

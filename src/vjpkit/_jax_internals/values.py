@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 
-from ._lookup import _core, _require
+from ._lookup import _core, _require, _require_module
 
 # ---------------------------------------------------------------------------
 # core: types of values.
@@ -82,6 +82,30 @@ def vmap_axis_names(axis_data: Any) -> dict:
     """
     name = axis_data.name
     return dict(axis_name=None if name is _no_axis_name else name, spmd_axis_name=axis_data.spmd_name)
+
+
+_mapped_aval = _require(_core, "mapped_aval", "jax._src.core")
+_batch_jaxpr = _require(_require_module("jax._src.interpreters.batching"), "batch_jaxpr",
+                        "jax._src.interpreters.batching")
+
+
+def example_aval(aval: Any, size: int) -> Any:
+    """The type of one example of a value of type ``aval`` batched along its leading axis of ``size``."""
+    return _mapped_aval(size, 0, aval)
+
+
+def batch_example(jaxpr: Any, axis_data: Any, in_batched: Sequence[bool]) -> tuple[Any, list[bool]]:
+    """``jaxpr`` (a closed jaxpr of one example) batched along the vmap that ``axis_data`` describes.
+
+    Inputs and outputs batched along their leading axis; returns the
+    batched jaxpr and which of its outputs vary along the batch. Why: under
+    ``jax.vmap`` a rule's output is batched where it depends on a batched
+    input, which only JAX's batching of its operations tells
+    (``batching.batch_jaxpr``, every supported JAX: a collective over the
+    vmap's axis name makes its output unbatched).
+    """
+    batched, out_batched = _batch_jaxpr(jaxpr, axis_data, tuple(in_batched), False)
+    return batched, list(out_batched)
 
 
 def batched_aval(aval: Any, size: int, axis_data: Any) -> Any:
