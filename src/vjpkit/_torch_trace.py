@@ -57,6 +57,7 @@ from ._from_torch import defines, is_torch_once_differentiable
 from ._function import Function
 from ._once import once_differentiable
 from ._torch_ops import RULES, VIEWS, Untraceable, jax_dtype, set_item
+from ._torch_original import UNSET
 from ._tree import is_array, partition
 
 __all__ = ["Either", "TracedTensor", "Untraceable", "auto", "trace_callable", "trace_function_class", "traced"]
@@ -944,12 +945,22 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
     """A vjpkit Function class running ``cls``'s methods as JAX operations."""
     name = cls.__name__
     keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    positional_names = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
+    n_params = len(params)
 
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
         tctx = TracedCtx(ctx)
         needs = ctx.needs_input_grad
         inputs = to_torch_tree((*args, *(kwargs[k] for k in keyword_only)), lambda i: bool(needs[i]))
-        positional, named = inputs[:len(args)], dict(zip(keyword_only, inputs[len(args):], strict=True))
+        # Only the caller's own arguments reach the original, as in callback mode: torch's backward
+        # owes one gradient per argument passed, so a defaulted one left out is left out here too.
+        passed = [v is not UNSET for v in inputs[:len(args)]]
+        n_leading = passed.index(False) if False in passed else len(passed)
+        positional = inputs[:n_leading]
+        named = {k: v for k, v, p in zip(positional_names[n_leading:], inputs[n_leading:len(args)],
+                                          passed[n_leading:], strict=True) if p}
+        named.update({k: v for k, v in zip(keyword_only, inputs[len(args):], strict=True) if v is not UNSET})
+        ctx.torch_inputs_passed = n_leading  # torch's backward returns one gradient per positional input
         with torch.no_grad(), running(f"{name}.forward", grad=False):  # torch runs forward without grad
             if new_style:
                 out = cls.forward(*positional, **named)
@@ -962,14 +973,18 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
         # Torch runs backward with grad enabled when differentiating it (create_graph); @once_differentiable
         # runs it without.
         with running(f"{name}.backward", grad=not once):
-            return to_jax_tree(cls.backward(TracedCtx(ctx), *to_torch_tree(grads)))
+            result = to_jax_tree(cls.backward(TracedCtx(ctx), *to_torch_tree(grads)))
+        if isinstance(result, tuple) and len(result) == ctx.torch_inputs_passed < n_params:
+            result = (*result, *(None,) * (n_params - len(result)))  # the arguments the caller left out
+        return result
 
     def jvp(ctx: FunctionCtx, *tangents: Any) -> Any:
         with running(f"{name}.jvp", grad=True):
             return to_jax_tree(cls.jvp(TracedCtx(ctx), *to_torch_tree(tangents)))
 
     forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_ONLY), *params])
+        [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_ONLY),
+         *(p if p.default is p.empty else p.replace(default=UNSET) for p in params)])
     namespace: dict[str, Any] = {"__doc__": cls.__doc__, "__module__": __name__, "forward": staticmethod(forward),
                                  "_vjpkit_from_torch": True}
     if has_backward:
