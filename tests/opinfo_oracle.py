@@ -382,6 +382,10 @@ def run_callback_case(case: Case) -> Outcome:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 got = fn(*arrays)
+        except ValueError as e:
+            if "depends on its inputs' values" in str(e):  # callback mode's refusal of a value-dependent shape
+                return Outcome("refused", str(e).splitlines()[0][:300])
+            return Outcome("crash", f"ValueError: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         except Exception as e:  # noqa: BLE001
             return Outcome("crash", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         want_leaves, got_leaves = _torch_outputs(want), _jax_outputs(got)

@@ -189,3 +189,14 @@ def test_an_output_shape_read_from_a_value_is_checked_on_every_call():
                                         r"learn its output shapes: its output shapes depend on its inputs' values\. "
                                         r"JAX fixes"):
         jax.block_until_ready(wrapped(jnp.asarray([5.0, 6.0, 7.0, 8.0])))
+
+
+def test_a_torch_return_types_result_comes_back_as_a_namedtuple_with_torchs_values():
+    top = vjpkit.from_torch(lambda x: torch.max(x, 1))
+    x = np.array([[3.0, 1.0, 2.0], [0.0, 5.0, 1.0]], np.float32)
+    want = torch.max(torch.tensor(x), 1)
+    got = top(x)
+    assert type(got).__name__ == "max" and got._fields == ("values", "indices")
+    np.testing.assert_array_equal(got.values, want.values.numpy())
+    np.testing.assert_array_equal(got.indices, want.indices.numpy())
+    np.testing.assert_array_equal(jax.grad(lambda x: top(x).values.sum())(x), [[1, 0, 0], [0, 1, 0]])

@@ -55,7 +55,7 @@ from ._function import Function
 from ._once import call_without_derivative, once_differentiable
 from ._outputs import is_differentiable_dtype
 from ._torch_device import as_output, keeps_tensors, torch_callback
-from ._torch_original import Origin, leaf_names, packing_extra_keywords
+from ._torch_original import Origin, leaf_names, named_tuples, packing_extra_keywords
 from ._torch_shapes import FIXED_SHAPES, infer_outputs
 from ._tree import Partition, is_array, partition
 
@@ -335,7 +335,7 @@ class _Program:
             if origin.copy_inputs:  # not leaves: mark_dirty's in-place update is then allowed
                 tensors = [t.clone() for t in tensors]
             args, kwargs = rebuild(tensors)
-            out = origin.call(*args, **kwargs)
+            out = named_tuples(origin.call(*args, **kwargs))  # torch.return_types as namedtuples
             leaves, treedef = jax.tree_util.tree_flatten(out)
             if "treedef" not in out_info:  # the first run, for the output description
                 out_info.update(treedef=treedef, leaves=leaves)
@@ -356,8 +356,9 @@ class _Program:
         template = [marker if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
         program.out_layout = partition(jax.tree_util.tree_unflatten(out_treedef, template),
                                        lambda x: x is marker)[0]
-        # A tuple output gives backward one gradient per element; anything else one gradient.
-        program.single_output = not isinstance(jax.tree_util.tree_unflatten(out_treedef, template), tuple)
+        # A plain tuple output gives backward one gradient per element; anything else (a namedtuple too,
+        # as vjpkit's Functions treat it) one gradient of its structure.
+        program.single_output = not program.out_layout.is_tuple()
         program.layout = layout
         return program
 

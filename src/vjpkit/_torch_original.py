@@ -11,6 +11,8 @@ becomes one keyword-only argument holding a dict of the extra keywords.
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -123,3 +125,23 @@ def leaf_names(origin: Origin, layout: Partition) -> tuple[str, ...]:
     if len(paths) != layout.treedef.num_leaves:  # pragma: no cover - a pytree node that flattens differently
         return tuple(f"its input {k}" for k in range(len(layout.dynamic)))
     return tuple(f"its input {names[paths[i][0].idx]}{jax.tree_util.keystr(paths[i][1:])}" for i in layout.dynamic)
+
+
+def named_tuples(tree: Any) -> Any:
+    """``tree`` with each ``torch.return_types`` result (``torch.max(x, 1)``, ``sort``) a namedtuple.
+
+    Those results are C struct sequences that JAX's pytrees do not see into;
+    a namedtuple of the same name and fields keeps their values and names.
+    """
+    if isinstance(tree, tuple) and hasattr(type(tree), "n_fields") and hasattr(type(tree), "__match_args__"):
+        return _namedtuple_of(type(tree))(*(named_tuples(x) for x in tree))
+    if type(tree) in (tuple, list):
+        return type(tree)(named_tuples(x) for x in tree)
+    if type(tree) is dict:
+        return {k: named_tuples(v) for k, v in tree.items()}
+    return tree
+
+
+@functools.lru_cache(maxsize=None)
+def _namedtuple_of(cls: type) -> type:
+    return collections.namedtuple(cls.__name__, cls.__match_args__)  # type: ignore[attr-defined]

@@ -36,7 +36,6 @@ and raises ``Untraceable``.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import inspect
@@ -57,7 +56,7 @@ from ._from_torch import defines, is_torch_once_differentiable
 from ._function import Function
 from ._once import once_differentiable
 from ._torch_ops import RULES, VIEWS, Untraceable, jax_dtype, set_item
-from ._torch_original import UNSET
+from ._torch_original import UNSET, named_tuples
 from ._tree import is_array, partition
 
 __all__ = ["Either", "TracedTensor", "Untraceable", "auto", "trace_callable", "trace_function_class", "traced"]
@@ -757,23 +756,8 @@ def to_jax_tree(tree: Any) -> Any:
     A ``torch.return_types`` result (``torch.max(x, 1)``, ``sort``) is a C struct
     sequence that JAX does not see into: it becomes a namedtuple of the same name and fields.
     """
-    return jax.tree_util.tree_map(lambda x: _to_jax(x) if _is_tensor(x) else x, _named_tuples(tree),
+    return jax.tree_util.tree_map(lambda x: _to_jax(x) if _is_tensor(x) else x, named_tuples(tree),
                                   is_leaf=_is_tensor)
-
-
-def _named_tuples(tree: Any) -> Any:
-    if isinstance(tree, tuple) and hasattr(type(tree), "n_fields") and hasattr(type(tree), "__match_args__"):
-        return _namedtuple_of(type(tree))(*(_named_tuples(x) for x in tree))
-    if type(tree) in (tuple, list):
-        return type(tree)(_named_tuples(x) for x in tree)
-    if type(tree) is dict:
-        return {k: _named_tuples(v) for k, v in tree.items()}
-    return tree
-
-
-@functools.lru_cache(maxsize=None)
-def _namedtuple_of(cls: type) -> type:
-    return collections.namedtuple(cls.__name__, cls.__match_args__)  # type: ignore[attr-defined]
 
 
 def to_torch_tree(tree: Any, requires_grad: Callable[[int], bool] = lambda i: False) -> Any:
