@@ -453,7 +453,14 @@ def check(call: Call, calls: list) -> None:
     close(got, loop, what + "\n(against the loop)")
     ref_loop = transform(call.transform, looped(ref), call.argnums)(x, w, t1, t2)
     close(loop, ref_loop, what + "\n(the loop against JAX's custom rule)")
-    expected = transform(call.transform, vmapped(ref), call.argnums)(x, w, t1, t2)
+    try:
+        expected = transform(call.transform, vmapped(ref), call.argnums)(x, w, t1, t2)
+    except ValueError as e:
+        # JAX 0.12 refuses a custom_vjp whose output is shared across the batch, where its answer
+        # would not be its loop's: no answer from JAX to compare with (the loop was compared above).
+        if "shared across the batch" not in str(e):
+            raise
+        return
     if _agree(expected, ref_loop):
         # Where JAX's own answer under vmap is its loop's: a custom_vjp whose output does not depend on the
         # batch (``clipped``'s tanh(x), x unbatched, w batched) gives x another gradient under vmap.
