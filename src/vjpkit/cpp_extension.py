@@ -126,7 +126,7 @@ class FfiKernel:
     """One FFI handler of an `Extension`, registered as an XLA target for the CPU.
 
     Call it with the kernel's buffers as positional arguments and its
-    attributes as keyword arguments::
+    attributes as keyword arguments:
 
         y = ext.Scale(x, result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype), factor=np.float32(3.0))
 
@@ -135,6 +135,7 @@ class FfiKernel:
     """
 
     def __init__(self, name: str, target_name: str, vmap_method: str, platforms: Sequence[str] = ("cpu",)):
+        """Made by `load_inline`, one per registered function."""
         self.name = name
         self.target_name = target_name
         self.vmap_method = vmap_method
@@ -143,6 +144,7 @@ class FfiKernel:
     def __call__(
         self, *args: Any, result_shape_dtypes: Any, vmap_method: str | None = None, **attributes: Any
     ) -> Any:
+        """Calls the kernel on ``args`` (its buffers), its ``attributes`` passed as keywords."""
         method = self.vmap_method if vmap_method is None else _checked_vmap_method(vmap_method)
         self._check_devices(args)
         call = _jax_internals.ffi_api().ffi_call(self.target_name, _shape_dtypes(result_shape_dtypes), method)
@@ -165,6 +167,7 @@ class FfiKernel:
                     )
 
     def __repr__(self) -> str:
+        """The kernel's name, target, batching and platforms."""
         return (f"FfiKernel({self.name!r}, target_name={self.target_name!r}, vmap_method={self.vmap_method!r}, "
                 f"platforms={self.platforms!r})")
 
@@ -173,11 +176,13 @@ class Extension:
     """A compiled C++ source: one `FfiKernel` attribute per name in ``functions``."""
 
     def __init__(self, name: str, library_path: pathlib.Path, kernels: dict[str, FfiKernel]):
+        """Made by `load_inline`."""
         self.name = name
         self.library_path = library_path
         self.functions = dict(kernels)
 
     def __getattr__(self, attribute: str) -> FfiKernel:
+        """The kernel named ``attribute``; an unknown name raises, listing the extension's functions."""
         functions = self.__dict__.get("functions", {})
         if attribute in functions:
             return functions[attribute]
@@ -187,9 +192,11 @@ class Extension:
         )
 
     def __dir__(self) -> list[str]:
+        """The attributes, the kernels' names among them."""
         return sorted({*super().__dir__(), *self.functions})
 
     def __repr__(self) -> str:
+        """The extension's name, functions and library."""
         return f"Extension({self.name!r}, functions={sorted(self.functions)}, library_path='{self.library_path}')"
 
 
@@ -222,8 +229,8 @@ def load_inline(
             compiled with ``nvcc`` (``$CUDA_HOME/bin``, the ``PATH``, or the
             ``nvidia-cuda-nvcc`` wheel); its handlers are registered for
             CUDA GPUs. A function defined in both sources runs the one for
-            the device of its arguments. ``cuda_sources``: PyTorch's
-            spelling, the same.
+            the device of its arguments.
+        cuda_sources: PyTorch's spelling of ``cuda_source``, the same.
         vmap_method: how calls batch under ``vmap`` unless a call says
             otherwise: ``"sequential"``, ``"expand_dims"`` or ``"broadcast_all"``.
         extra_cflags: more compiler arguments.
