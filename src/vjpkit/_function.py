@@ -187,7 +187,7 @@ def function(cls: type | None = None, /, **options: Any) -> Any:
                 f"vjpkit.function({cls.__name__}): {cls.__name__} is a torch.autograd.Function. "
                 f"To run it unchanged (on the host, through PyTorch) use vjpkit.from_torch({cls.__name__}); "
                 "to port it, subclass vjpkit.Function instead and write forward and backward in "
-                "jax.numpy (see the porting guide, docs/porting.md)."
+                "jax.numpy (see the porting guide, https://vjpkit.github.io/vjpkit/porting/)."
             )
         namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
         namespace.update(options)
@@ -208,7 +208,7 @@ def reject_torch_function(fn: Any, where: str) -> None:
         raise TypeError(
             f"{where}: {name} is a torch.autograd.Function, which takes torch tensors, not JAX arrays. "
             f"Pass vjpkit.from_torch({name}).apply to run the original inside JAX, or its port "
-            "(a vjpkit.Function; see the porting guide, docs/porting.md)."
+            "(a vjpkit.Function; see the porting guide, https://vjpkit.github.io/vjpkit/porting/)."
         )
 
 
