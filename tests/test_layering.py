@@ -39,7 +39,8 @@ CORE = [
     "_anomaly", "_once", "_args", "_sharding", "_tree", "_caches", "_callback_errors", "_jax_internals",
 ]
 OUTSIDE_THE_CORE = {"_from_torch.py", "_torch_device.py", "_torch_original.py", "_torch_shapes.py", "_torch_trace.py",
-                    "_torch_ops.py", "cpp_extension.py"}  # built on the core
+                    "_torch_special.py", "_torch_traced.py", "_torch_ops.py", "_torch_ops_shapes.py",
+                    "cpp_extension.py"}  # built on the core
 
 
 def source_files(name):

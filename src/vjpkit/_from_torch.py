@@ -121,9 +121,9 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
                                   reentrant)
     if mode == "callback":
         return callbacks()
-    from . import _torch_trace
+    from . import _torch_traced
 
-    return _torch_trace.traced(obj, mode, callbacks)
+    return _torch_traced.traced(obj, mode, callbacks)
 
 
 _MODES = ("callback", "trace", "auto")
