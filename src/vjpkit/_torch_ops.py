@@ -513,3 +513,7 @@ def _broadcast_tensors(out: Any, *tensors: Any) -> tuple:
 
 RULES["torch.broadcast_tensors"] = RULES["torch.functional.broadcast_tensors"] = _broadcast_tensors
 VIEWS.update({"torch.broadcast_tensors", "torch.functional.broadcast_tensors"})
+
+
+# The shape, view and indexing rules live in their own module and register into the same tables.
+from . import _torch_ops_shapes  # noqa: E402,F401

@@ -454,3 +454,7 @@ def _constant(t: torch.Tensor) -> Any:
     if t.dtype == torch.bfloat16:
         return jnp.asarray(t.float().numpy(), jnp.bfloat16)
     return jnp.asarray(t.numpy(), jax_dtype(t.dtype))
+
+
+# The calls answered without a rule (autograd, devices, repr) register into _SPECIAL from their own module.
+from . import _torch_special  # noqa: E402,F401
