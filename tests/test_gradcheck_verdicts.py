@@ -247,12 +247,12 @@ def test_a_subnormal_judged_op_by_op_is_judged_as_run_eagerly():
         assert gradcheck_verdict(SELF_RATIO_BACKWARD, x) is expected
 
 
-def test_op_by_op_and_compiled_verdicts_part_only_where_xla_simplifies_across_operations():
-    # softmax of one element, exp(x) / sum(exp(x)) at -720: compiled, XLA simplifies it to 1 and the
-    # backward is right; op by op, exp(-720) is subnormal, flushed to 0, and 0 / 0 is NaN.
+def test_a_softmax_xla_may_simplify_is_judged_as_each_way_runs_it():
+    # A one-element softmax exp(x) / sum(exp(x)) at -720 with a naive backward: op by op, exp(-720) is
+    # subnormal, flushed to 0, and 0 / 0 is NaN; compiled, some XLA versions simplify it to 1 (JAX
+    # 0.10's does, 0.12's does not). Each way of running the check judges the program it runs.
     fn, x = build([("self_ratio", jnp.float64, False)], "logsumexp_naive"), np.array([-720.0])
     if ON_CPU:
-        assert compiled_verdict(fn, x) is True
         assert compiled_verdict(fn, x, eagerly) is False
     assert gradcheck_verdict(fn, x) is compiled_verdict(fn, x)
     with checks_run_op_by_op():
