@@ -13,6 +13,7 @@ import vjpkit
 
 torch = pytest.importorskip("torch")  # CI installs the torch extra
 from test_from_torch import TCube, TExpWithVmapRule, TMul, TSin, TTwoOutputs  # noqa: E402  (shared originals)
+from test_from_torch_idioms import TScan  # noqa: E402  (an optional tensor argument)
 from torch_functions import TorchExp  # noqa: E402
 
 X = np.array([0.3, -1.2, 2.0], np.float32)
@@ -504,33 +505,19 @@ def test_auto_falls_back_on_any_failure_to_trace_and_says_so():
     assert cls.mode == "trace"
 
 
-class TScanWithOptionalInit(torch.autograd.Function):
-    """An optional tensor argument: torch's backward owes a gradient per argument the caller passed."""
-
-    @staticmethod
-    def forward(ctx, a, x, y_init=None):
-        ctx.save_for_backward(a, x)
-        return a * x if y_init is None else a * x + y_init
-
-    @staticmethod
-    def backward(ctx, g):
-        a, x = ctx.saved_tensors
-        return g * x, g * a
-
-
 @pytest.mark.parametrize("mode", ["trace", "auto"])
 def test_traced_class_passes_only_the_arguments_the_caller_passed(mode):
-    Scan = vjpkit.from_torch(TScanWithOptionalInit, mode=mode)
+    Scan = vjpkit.from_torch(TScan, mode=mode)
     a, x = np.array([2.0, 4.0, 6.0], np.float32), np.array([1.0, 2.0, 3.0], np.float32)
     ta = torch.tensor(a, requires_grad=True)
-    (expected,) = torch.autograd.grad(TScanWithOptionalInit.apply(ta, torch.tensor(x)).sum(), ta)
+    (expected,) = torch.autograd.grad(TScan.apply(ta, torch.tensor(x)).sum(), ta)
     np.testing.assert_allclose(jax.grad(lambda a: Scan.apply(a, x).sum())(a), expected.numpy())
     if mode == "auto":
         assert Scan.mode == "trace"
 
 
 def test_traced_class_passed_an_optional_argument_owes_its_gradient_as_in_torch():
-    Scan = vjpkit.from_torch(TScanWithOptionalInit, mode="trace")
+    Scan = vjpkit.from_torch(TScan, mode="trace")
     a = x = np.ones(3, np.float32)
-    with pytest.raises(TypeError, match=r"TScanWithOptionalInit\.backward returned 2 gradients, expected 3"):
+    with pytest.raises(TypeError, match=r"TScan\.backward returned 2 gradients, expected 3"):
         jax.grad(lambda a: Scan.apply(a, x, x).sum())(a)
