@@ -461,3 +461,18 @@ def test_grad_of_a_jit_around_the_vmap_refuses_a_batched_derivative_of_a_constan
     with pytest.raises(ValueError, match="fixed the output's batch axis by its value alone"):
         jax.grad(loss)(EXAMPLES)
     close(jax.jit(jax.grad(lambda x: jnp.sum(WEIGHTS * jax.vmap(fn.apply)(x))))(EXAMPLES), WEIGHTS)
+
+
+@functions(MovesWithX, ("both",))
+def test_a_second_derivative_through_reverse_mode_of_a_constant_output_raises_naming_the_class(fn):
+    # jacfwd(grad(...)) of a vmap: reverse mode batched the outputs by their values before the outer
+    # derivative reached the second one, whose derivative moves with x per example (the loop's answer
+    # would batch it). vjpkit says so, naming the class, instead of JAX's "got axis spec None".
+    def loss(xs, w):
+        return (WEIGHTS * jax.vmap(fn.apply, (0, None))(xs, w)[1]).sum()
+
+    name = fn.__name__
+    with pytest.raises(ValueError, match=rf"{name}: under jax\.vmap, an output of {name} whose value does not "
+                                         r"depend on the batch has a derivative here that does .* Take the "
+                                         r"derivatives inside the vmap"):
+        jax.jacfwd(jax.grad(loss))(EXAMPLES, jnp.asarray(0.7))

@@ -199,9 +199,28 @@ class _BatchedTie:
         in_axes = (list(self.dims), [self.dims[at] for at in moving])
         # An output that is not batched keeps an unbatched tangent (vmap raises if it varies along the batch).
         out_axes = (list(self.out_dims), list(self.out_dims))
-        return jax.vmap(unbatched, in_axes=in_axes, out_axes=out_axes, axis_size=self.size, **self.axis_names)(
-            list(primals), [tangents[at] for at in moving]
-        )
+        args = (list(primals), [tangents[at] for at in moving])
+        try:
+            return jax.vmap(unbatched, in_axes=in_axes, out_axes=out_axes, axis_size=self.size,
+                            **self.axis_names)(*args)
+        except ValueError:
+            # The same rule with every tangent batched: where that runs, an output left unbatched by its
+            # value has a tangent that varies along the batch, which the loop over examples would batch.
+            every = (list(self.out_dims), [0] * len(self.out_dims))
+            try:
+                jax.vmap(unbatched, in_axes=in_axes, out_axes=every, axis_size=self.size, **self.axis_names)(*args)
+            except Exception:
+                raise  # the original error: something else failed
+            name = repr(self.inner)
+            raise ValueError(
+                f"{name}: under jax.vmap, an output of {name} whose value does not depend on the batch has a "
+                f"derivative here that does (its rules make it move with a batched input), but the vmap "
+                f"batched {name}'s outputs by their values before this derivative was taken (a second "
+                "derivative taken through reverse mode, as jax.hessian or jax.jacfwd(jax.grad(...)) of a "
+                f"function that vmaps {name}), so no example can get its own. Take the derivatives inside the "
+                f"vmap (jax.vmap(jax.hessian(f))), or make {name}'s forward return that output batched "
+                "(broadcast it along the batched input)."
+            ) from None
 
     def __repr__(self) -> str:
         return f"vmapped {self.inner!r}"
