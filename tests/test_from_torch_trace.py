@@ -521,3 +521,18 @@ def test_traced_class_passed_an_optional_argument_owes_its_gradient_as_in_torch(
     a = x = np.ones(3, np.float32)
     with pytest.raises(TypeError, match=r"TScan\.backward returned 2 gradients, expected 3"):
         jax.grad(lambda a: Scan.apply(a, x, x).sum())(a)
+
+
+def _sparse_matmul(indices, values, x):
+    return torch.sparse_coo_tensor(indices, values, (3, 3), check_invariants=True) @ x
+
+
+def test_trace_mode_refuses_a_sparse_tensor_naming_the_op_and_auto_runs_it_by_callbacks():
+    indices, values, x = np.array([[0, 1], [1, 2]]), np.array([1.0, 2.0], np.float32), np.ones(3, np.float32)
+    with pytest.raises(NotImplementedError, match=r"calls torch\.sparse_coo_tensor, which makes a sparse tensor: "
+                                                  r"trace mode does not model sparse layouts"):
+        vjpkit.from_torch(_sparse_matmul, mode="trace")(indices, values, x)
+    auto = vjpkit.from_torch(_sparse_matmul, mode="auto")
+    expected = _sparse_matmul(torch.tensor(indices), torch.tensor(values), torch.tensor(x)).numpy()
+    np.testing.assert_allclose(auto(indices, values, x), expected)
+    assert auto.mode == "callback"

@@ -133,14 +133,24 @@ _RANDOM = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multi
            "cauchy_", "geometric_", "log_normal_", "dropout", "alpha_dropout", "feature_alpha_dropout"}
 
 
+# Factories of sparse tensors: they take no stand-in's __torch_function__ path, and a sparse layout has no
+# JAX counterpart here (torch's own error would blame a "SparseMeta" backend).
+_SPARSE = {"sparse_coo_tensor", "sparse_csr_tensor", "sparse_csc_tensor", "sparse_bsr_tensor", "sparse_bsc_tensor",
+           "sparse_compressed_tensor", "to_sparse", "to_sparse_coo", "to_sparse_csr"}
+
+
 class _NoRandomness(torch.overrides.TorchFunctionMode):
-    """Refuses random draws while tracing: a draw made at trace time would be one constant in every call."""
+    """Refuses what a trace cannot hold: random draws (one constant in every call), sparse tensors."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = resolve_name(func) or getattr(func, "__name__", "")
-        if name.rsplit(".", 1)[-1] in _RANDOM:
+        short = name.rsplit(".", 1)[-1]
+        if short in _RANDOM:
             raise Untraceable(name, "draws random numbers, which a compiled program would draw once, at trace "
                               "time (pass a JAX key to a port instead)")
+        if short in _SPARSE:
+            raise Untraceable(name, "makes a sparse tensor: trace mode does not model sparse layouts (a port uses "
+                              "jax.ops.segment_sum or jax.experimental.sparse; mode='auto' runs it by callbacks)")
         return func(*args, **(kwargs or {}))
 
 
