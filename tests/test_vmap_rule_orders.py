@@ -5,9 +5,9 @@ own ``apply`` recursively, as PyTorch's do: ``autograd_function_db``'s
 ``NumpyCube``, ``NumpyMul`` and ``Select``, and the torch.func
 documentation's ``MyCube`` (backward only, so ``jax.hessian`` takes its
 outputs' derivative from backward transposed). The reference is PyTorch
-itself: the originals (copied from ``autograd_function_db``, whose module
-needs PyTorch's test dependencies) under ``torch.func``; and, under
-``vmap``, the loop over the examples.
+itself: the originals (``autograd_function_db``'s own classes; the docs'
+``MyCube`` written out) under ``torch.func``; and, under ``vmap``, the loop
+over the examples.
 """
 
 import jax
@@ -133,85 +133,10 @@ class MyCube(vjpkit.Function):
 
 if torch is not None:
 
-    class TorchNumpyMul(torch.autograd.Function):
-        @staticmethod
-        def forward(x, y):
-            return torch.tensor(x.cpu().numpy() * y.cpu().numpy(), device=x.device)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(*inputs)
-            ctx.save_for_forward(*inputs)
-
-        @staticmethod
-        def backward(ctx, grad_output):
-            x, y = ctx.saved_tensors
-            gx = TorchNumpyMul.apply(grad_output, y) if ctx.needs_input_grad[0] else None
-            gy = TorchNumpyMul.apply(grad_output, x) if ctx.needs_input_grad[1] else None
-            return gx, gy
-
-        @staticmethod
-        def vmap(info, in_dims, x, y):
-            x_bdim, y_bdim = in_dims
-            x = x.movedim(x_bdim, -1) if x_bdim is not None else x.unsqueeze(-1)
-            y = y.movedim(y_bdim, -1) if y_bdim is not None else y.unsqueeze(-1)
-            return TorchNumpyMul.apply(x, y).movedim(-1, 0), 0
-
-        @staticmethod
-        def jvp(ctx, x_tangent, y_tangent):
-            x, y = ctx.saved_tensors
-            return x_tangent * y + y_tangent * x
-
-    class TorchNumpyCube(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            x_np = x.cpu().numpy()
-            return torch.tensor(x_np**3, device=x.device), torch.tensor(3 * x_np**2, device=x.device)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0], output[1])
-            ctx.save_for_forward(inputs[0], output[1])
-
-        @staticmethod
-        def backward(ctx, grad_output, grad_saved):
-            x, dx = ctx.saved_tensors
-            return TorchNumpyMul.apply(grad_output, dx) + 6 * TorchNumpyMul.apply(grad_saved, x)
-
-        @staticmethod
-        def vmap(info, in_dims, x):
-            return TorchNumpyCube.apply(x), (in_dims[0], in_dims[0])
-
-        @staticmethod
-        def jvp(ctx, x_tangent):
-            x, dx = ctx.saved_tensors
-            return TorchNumpyMul.apply(x_tangent, dx), 6 * TorchNumpyMul.apply(x_tangent, x)
-
-    class TorchSelect(torch.autograd.Function):
-        @staticmethod
-        def forward(x, idx):
-            return x[idx]
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            x, idx = inputs
-            ctx.x_shape = x.shape
-            ctx.idx = idx
-
-        @staticmethod
-        def backward(ctx, grad_output):
-            result = grad_output.new_zeros(ctx.x_shape)
-            result[ctx.idx] = grad_output
-            return result, None
-
-        @staticmethod
-        def vmap(info, in_dims, x, idx):
-            x_bdim, _ = in_dims
-            return TorchSelect.apply(x.movedim(x_bdim, 1), idx), 0
-
-        @staticmethod
-        def jvp(ctx, x_tangent, _):
-            return TorchSelect.apply(x_tangent, ctx.idx)
+    # PyTorch's own originals (its functorch tests' database of custom Functions with vmap staticmethods).
+    from torch.testing._internal.autograd_function_db import NumpyCube as TorchNumpyCube
+    from torch.testing._internal.autograd_function_db import NumpyMul as TorchNumpyMul
+    from torch.testing._internal.autograd_function_db import Select as TorchSelect
 
     class TorchMyCube(torch.autograd.Function):
         @staticmethod
