@@ -55,6 +55,7 @@ class Origin:
         ]
         self.keyword_only = tuple(p.name for p in self.forward_params if p.kind is p.KEYWORD_ONLY)
         self.positional = tuple(p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        self.positional_names = tuple(p.name for p in self.positional)
         self.var_positional = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
         self.grad_names = grad_names  # the names of the class's backward's parameters, after ctx
         self.copy_inputs = copy_inputs
@@ -64,31 +65,8 @@ class Origin:
         self.once = once  # whether the original's backward is once_differentiable
 
     def arguments(self, values: Sequence[Any]) -> tuple[tuple, dict]:
-        """The original's call for the bound values: what the caller passed, as it passed it.
-
-        Positional values up to the first one not passed go by position, later
-        ones by name; an unpassed one is left to the original's own default.
-        """
-        n = len(values) - len(self.keyword_only)
-        args: list = []
-        kwargs: dict = {}
-        gap = False
-        for p, value in zip(self.positional, values, strict=False):
-            if value is UNSET:
-                gap = True
-            elif gap:
-                kwargs[p.name] = value
-            else:
-                args.append(value)
-        args.extend(values[len(self.positional):n])  # *args: every positional parameter was passed
-        for name, value in zip(self.keyword_only, values[n:], strict=True):
-            if value is UNSET:
-                continue
-            if name == self.var_keyword:
-                kwargs.update(value)
-            else:
-                kwargs[name] = value
-        return tuple(args), kwargs
+        """The original's call for the bound values: what the caller passed, as it passed it."""
+        return passed_arguments(self.positional_names, self.keyword_only, values, self.var_keyword)
 
     def value_names(self, n_values: int) -> tuple[str, ...]:
         """The parameter name of each bound value (``args[0]``, ... for ``*args``)."""
@@ -102,6 +80,37 @@ class Origin:
         if len(self.grad_names) == n_outputs:
             names = tuple(f"{n} ({g})" for n, g in zip(names, self.grad_names, strict=True))
         return names
+
+
+def passed_arguments(positional: Sequence[str], keyword_only: Sequence[str], values: Sequence[Any],
+                     var_keyword: str | None = None) -> tuple[tuple, dict]:
+    """The call of an original for bound ``values`` (positional parameters, ``*args``, then keyword-only).
+
+    What the caller passed, as it passed it: positional values up to the first
+    one not passed (``UNSET``) go by position, later ones by name; an unpassed
+    one is left to the original's own default. ``var_keyword``: the name of the
+    keyword-only value holding a ``**kwargs`` dict, spread into the call.
+    """
+    n = len(values) - len(keyword_only)
+    args: list = []
+    kwargs: dict = {}
+    gap = False
+    for name, value in zip(positional, values, strict=False):
+        if value is UNSET:
+            gap = True
+        elif gap:
+            kwargs[name] = value
+        else:
+            args.append(value)
+    args.extend(values[len(positional):n])  # *args: every positional parameter was passed
+    for name, value in zip(keyword_only, values[n:], strict=True):
+        if value is UNSET:
+            continue
+        if name == var_keyword:
+            kwargs.update(value)
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
 
 
 def packing_extra_keywords(params: list, var_keyword: str, apply: Callable) -> Callable:

@@ -26,7 +26,7 @@ from ._from_torch import defines, is_torch_once_differentiable
 from ._function import Function
 from ._once import once_differentiable
 from ._torch_ops import Untraceable
-from ._torch_original import UNSET, named_tuples
+from ._torch_original import UNSET, named_tuples, passed_arguments
 from ._torch_trace import _is_tensor, _state, _to_jax, meta_of, stand_in
 from ._tree import is_array, partition
 
@@ -235,7 +235,7 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
     """A vjpkit Function class running ``cls``'s methods as JAX operations."""
     name = cls.__name__
     keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
-    positional_names = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
+    positional_names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     n_params = len(params)
 
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
@@ -244,13 +244,8 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
         inputs = to_torch_tree((*args, *(kwargs[k] for k in keyword_only)), lambda i: bool(needs[i]))
         # Only the caller's own arguments reach the original, as in callback mode: torch's backward
         # owes one gradient per argument passed, so a defaulted one left out is left out here too.
-        passed = [v is not UNSET for v in inputs[:len(args)]]
-        n_leading = passed.index(False) if False in passed else len(passed)
-        positional = inputs[:n_leading]
-        named = {k: v for k, v, p in zip(positional_names[n_leading:], inputs[n_leading:len(args)],
-                                          passed[n_leading:], strict=True) if p}
-        named.update({k: v for k, v in zip(keyword_only, inputs[len(args):], strict=True) if v is not UNSET})
-        ctx.torch_inputs_passed = n_leading  # torch's backward returns one gradient per positional input
+        positional, named = passed_arguments(positional_names, keyword_only, inputs)
+        ctx.torch_inputs_passed = len(positional)  # torch's backward returns one gradient per positional input
         with torch.no_grad(), running(f"{name}.forward", grad=False):  # torch runs forward without grad
             if new_style:
                 out = cls.forward(*positional, **named)
