@@ -712,9 +712,6 @@ def test_classes_closing_over_a_tracer_run_jvp_in_forward_mode(build, name, seed
     _check_built(build, name, seed)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="known: at second order the tie's batched rule keeps an output unbatched by its value "
-                          "(JAX: 'got axis spec None but output was batched'), where the loop batches it")
 def test_hessian_of_vmap_of_an_output_constant_in_the_batch_is_the_loop():
     # Found by the thorough profile on JAX 0.12 (one draw of 100): the first-order groups pass.
     check(Call("independent", "hessian", (0, 1), "of_vmap", (0, None, None, 0), -1, 552), [])
