@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import linecache
 import os
+import traceback
 import types
 from typing import Any, Callable, Sequence
 
@@ -191,16 +192,11 @@ def _traced_value_error(owner: str, name: str, e: Exception) -> TypeError:
 
 def _user_line(e: BaseException) -> str:
     """Where in the user's code ``e`` was raised: the innermost frame outside JAX, NumPy and vjpkit."""
-    found = None
-    tb = e.__traceback__
-    while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-            found = tb
-        tb = tb.tb_next
-    if found is None:
+    users = [entry for entry in traceback.extract_tb(e.__traceback__) if not entry.filename.startswith(_LIBRARY_DIRS)]
+    if not users:
         return ""
-    filename, line = found.tb_frame.f_code.co_filename, found.tb_lineno
-    source = linecache.getline(filename, line).strip()
+    filename, line = users[-1].filename, users[-1].lineno
+    source = linecache.getline(filename, line or 0).strip()
     return f" At line {line} of {filename}" + (f": `{source}`" if source else ".")
 
 
