@@ -387,6 +387,9 @@ def _split_carried(carried: Carried) -> tuple[Partition, tuple]:
     return layout, tuple(as_jax_leaf(x) for x in carried.saved if x is not None)
 
 
+_NOTHING_SAVED = _split_carried(Carried((), (), {}, None))[0]
+
+
 def _combine_carried(layout: Partition, arrays: Sequence[Any]) -> Carried:
     """``layout.combine(arrays)``: what forward left, rebuilt from its arrays (directly for saved arrays only)."""
     nones = _SAVED_ONLY_NONES.get(layout)
@@ -456,6 +459,22 @@ class Runner:
         """forward's outputs when nothing is differentiated."""
         packed, _, _ = self._forward(as_arrays(arrays), (False,) * self.n_params)
         return packed
+
+    def run_primal(self, arrays: tuple) -> tuple[Packed, Residuals]:
+        """forward's outputs when nothing is differentiated, with what a tie of them needs: no residual.
+
+        No rule runs from them: a tie's derivative runs forward again,
+        knowing the inputs it moves (``Program.tie_tangents``), so nothing
+        forward saved is kept or checked here.
+        """
+        needs = (False,) * self.n_params
+        packed, out, ctx = self._forward(arrays, needs)
+        left = forwarded(ctx)
+        meta = ResidualMeta(
+            _NOTHING_SAVED, needs, differentiable_outputs(out, left.non_differentiable),
+            tuple(_kind(a) for a in packed.arrays), left.materialize, self.input_kinds(arrays),
+        )
+        return packed, Residuals((), meta)
 
     def run_forward(self, arrays: tuple, needs: tuple, forward_mode: bool = False) -> tuple[Packed, Residuals]:
         """forward's outputs, and what backward (and, in ``forward_mode``, jvp) needs of it (``arrays``: JAX arrays)."""

@@ -27,7 +27,6 @@ compiles to nothing.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Protocol, Sequence
 
 import jax
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 from . import _jax_internals
 from ._args import as_arrays
 from ._jax_internals import Primitive, ad, batching, mlir
+from ._linear_call import reading_batching
 from ._tree import is_differentiable_dtype
 
 # ---------------------------------------------------------------------------
@@ -248,7 +248,7 @@ def _tie_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, tie:
     if _jax_internals.differentiating_here():
         # Its derivative is taken now, and may vary along the batch even where its value does not.
         moving = set(tie.outputs_at)
-    elif not _reading_derivative.active:
+    elif not reading_batching.active:
         # Its derivative may be taken later (reverse mode records the tie first, and a second derivative
         # differentiates the record): an output is batched where its value or its derivative varies along the batch.
         moving = _derivative_batched(tie, args, dims, axis_data)
@@ -259,19 +259,6 @@ def _tie_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, tie:
     # Every other output keeps its own batch axis: one that does not depend on the batch stays unbatched.
     batched = _BatchedTie(tie, tuple(dims), size, axis_names)
     return _tie_p.bind(*args, tie=batched), list(batched.out_dims)
-
-
-class _ReadingDerivative(threading.local):
-    """Whether this thread is reading a tie's derivative batched (``_derivative_batched``).
-
-    The derivative ties its outputs again for the order after it; batching
-    those ties by their values there stops the reading from recursing.
-    """
-
-    active = False
-
-
-_reading_derivative = _ReadingDerivative()
 
 
 def _derivative_batched(tie: Any, args: Sequence[Any], dims: Sequence[Any], axis_data: Any) -> set[int]:
@@ -295,7 +282,7 @@ def _derivative_batched(tie: Any, args: Sequence[Any], dims: Sequence[Any], axis
     def derivative(primals: list, moving_tangents: list) -> list:
         return _rule_along(tie, primals, moving, moving_tangents)[1]
 
-    _reading_derivative.active = True
+    reading_batching.active = True
     try:
         jaxpr = jax.make_jaxpr(derivative)(avals, [avals[at].strip_weak_type().to_tangent_aval() for at in moving])
         in_batched = [d is not None for d in dims] + [dims[at] is not None for at in moving]
@@ -303,7 +290,7 @@ def _derivative_batched(tie: Any, args: Sequence[Any], dims: Sequence[Any], axis
     except Exception:  # noqa: BLE001 - the rule's own error comes where it runs
         return set()
     finally:
-        _reading_derivative.active = False
+        reading_batching.active = False
     return {at for at, b in zip(tie.outputs_at, out_batched, strict=True) if b and at in unbatched}
 
 
