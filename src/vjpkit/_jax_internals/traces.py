@@ -291,9 +291,8 @@ def custom_jvp_rule_batching() -> Literal["with its function", "after its functi
 # The eager trace of ``jax.experimental.shard_map`` (a shard_map called outside jit) runs a custom_jvp's function
 # and drops its rule: it is the bottom trace, and no differentiation below it can need the rule. Before JAX 0.6 it
 # first refuses a custom_jvp with symbolic zeros (every Function is one); JAX 0.6's jax.shard_map (whose trace
-# jax.experimental.shard_map shares from then on) drops the rule either way. Told by JAX's version, the one public
-# record of that change.
-_SHARD_MAP_REFUSES_SYMBOLIC_ZEROS = tuple(getattr(_jax, "__version_info__", (0, 6)))[:2] < (0, 6)
+# jax.experimental.shard_map shares from then on) drops the rule either way: told by that public name.
+_SHARD_MAP_REFUSES_SYMBOLIC_ZEROS = not hasattr(_jax, "shard_map")
 
 
 def reaches_eager_shard_map_refusing_symbolic_zeros() -> bool:
