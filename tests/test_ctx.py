@@ -376,6 +376,13 @@ def test_ctx_attribute_closure_over_an_array_raises_eagerly_and_under_jit(jit):
         (jax.jit(grad) if jit else grad)(X)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "under-jit"])
+def test_ctx_attribute_object_holding_an_array_is_fine_where_nothing_is_differentiated(jit):
+    # Only backward would read it; forward alone (PyTorch under no_grad) keeps nothing for it.
+    Keep = _keeps(_Holder)
+    chex.assert_trees_all_close((jax.jit(Keep.apply) if jit else Keep.apply)(X), X * X)
+
+
 def test_ctx_attribute_object_holding_python_values_reaches_backward():
     Keep = _keeps(lambda y: _Holder(3.0))
     chex.assert_trees_all_close(jax.grad(lambda x: Keep.apply(x).sum())(X), X)

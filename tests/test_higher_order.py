@@ -281,6 +281,29 @@ def test_gradient_penalty_moves_an_input_that_forward_saw_as_not_needing_a_gradi
     close(jax.grad(penalty(StoppedScaledTanh.apply))(w), jax.grad(penalty(lambda x, w: jnp.tanh(w * x)))(w))
 
 
+class StoppedScaledSineJvpOnly(vjpkit.Function):
+    """sin(w x) under stop_gradient, with jvp only, reading what forward saved for it."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_forward(x, w)
+        return jax.lax.stop_gradient(jnp.sin(w * x))
+
+    @staticmethod
+    def jvp(ctx, tx, tw):
+        x, w = ctx.saved_tensors
+        return jnp.cos(w * x) * (w * tx + x * tw)
+
+
+def test_forward_over_forward_moves_an_input_that_forward_saw_as_not_needing_a_tangent():
+    # The inner jacfwd moves x only; the outer one moves w, so forward runs again knowing both (its saves for
+    # jvp included).
+    def mixed(f):
+        return jax.jacfwd(lambda w: jax.jacfwd(lambda x: f(x, w))(X))(jnp.asarray(0.8))
+
+    close(mixed(StoppedScaledSineJvpOnly.apply), mixed(lambda x, w: jnp.sin(w * x)))
+
+
 # ---------------------------------------------------------------------------
 # Functions with jvp.
 

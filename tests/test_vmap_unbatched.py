@@ -14,10 +14,12 @@ straight-through rule) comes out batched, as JAX batches a ``jax.custom_jvp``:
 each example's derivative is its own; a backward that is not linear in
 its cotangents runs per example. Those tests take their expected values
 from a Python loop over the examples and from a plain ``jax.custom_jvp``
-with the same rule, never from differentiating forward. Where the vmap
-fixed such an output's batch axis by its value before differentiating
-(a jit inside the vmap, or around it and differentiated from outside), no
-example can get its own derivative: vjpkit raises.
+with the same rule, never from differentiating forward, or are worked out
+by hand. Where the vmap fixes such an output's batch axis before any
+derivative (a jit inside the vmap, or around it and differentiated from
+outside; a second derivative through reverse mode), each example still
+gets its own derivative, where a plain ``jax.custom_jvp`` gets the sum
+over the examples.
 """
 
 import jax
@@ -28,6 +30,7 @@ from functions import REFERENCE, WeightedSin, WeightedSinJvpOnly, WeightedSinWit
 from jax import lax
 
 import vjpkit
+from vjpkit import _tie  # internals on purpose: one test forces the guard behind the tie's batching
 
 XS = jnp.array([0.1, 0.5, -1.0, 2.0, 0.3])
 W = jnp.float32(1.5)
@@ -435,44 +438,74 @@ def test_a_backward_not_linear_in_its_cotangents_runs_per_example():
 
 @functions(MovesWithX)
 @pytest.mark.parametrize("inside", STAGED_INSIDE)
-def test_a_vmap_that_batched_the_output_by_its_value_first_refuses_a_batched_derivative(fn, inside):
-    # A vmap of a jaxpr fixes the batch axes of a call's outputs by forward alone; the rule is batched later,
-    # when differentiated. JAX's own custom_jvp then gives each example the sum of the examples' derivatives
-    # here (3x the loop's); vjpkit says why it cannot give the loop's.
-    w = jnp.float32(3.0)
+def test_a_vmap_that_batches_a_staged_call_gives_each_example_its_own_derivative(fn, inside):
+    # A vmap of a jaxpr fixes the batch axes of a call's outputs before any derivative runs the rule. JAX's own
+    # custom_jvp then gives each example the sum of the examples' derivatives here (3x the loop's); the second
+    # output (2 * w for every example, moving with x by the rules) is batched there by its derivative.
+    w, tw = jnp.float32(3.0), jnp.float32(0.5)
 
     def loss(f):
         return lambda xs, w: (WEIGHTS * jax.vmap(STAGED_INSIDE[inside](f), (0, None))(xs, w)[1]).sum()
 
-    with pytest.raises(ValueError, match="fixed the output's batch axis by its value alone"):
-        jax.grad(loss(fn.apply), (0, 1))(EXAMPLES, w)
+    def loop_loss(xs, w):
+        return sum(WEIGHTS[b] * STAGED_INSIDE[inside](fn.apply)(xs[b], w)[1] for b in range(len(xs)))
+
+    # By hand: the second output's tangent is tx + 2 tw.
+    by_hand = (WEIGHTS, 2 * WEIGHTS.sum())
+    if "backward" in fn.rules:
+        close(jax.grad(loss(fn.apply), (0, 1))(EXAMPLES, w), by_hand)
+        close(jax.grad(loop_loss, (0, 1))(EXAMPLES, w), by_hand)
     if "jvp" in fn.rules:
-        with pytest.raises(ValueError, match="fixed the output's batch axis by its value alone"):
-            jax.jvp(loss(fn.apply), (EXAMPLES, w), (PER_EXAMPLE, jnp.float32(0.5)))
-    # Differentiated where the vmap batches the call and its rule together, each example gets its own.
-    close(jax.jit(jax.grad(lambda xs, w: (WEIGHTS * jax.vmap(fn.apply, (0, None))(xs, w)[1]).sum()))(EXAMPLES, w),
-          WEIGHTS)
+        tangent = (WEIGHTS * PER_EXAMPLE).sum() + 2 * tw * WEIGHTS.sum()
+        close(jax.jvp(loss(fn.apply), (EXAMPLES, w), (PER_EXAMPLE, tw))[1], tangent)
+        close(jax.jvp(loop_loss, (EXAMPLES, w), (PER_EXAMPLE, tw))[1], tangent)
 
 
 @functions(Passes)
-def test_grad_of_a_jit_around_the_vmap_refuses_a_batched_derivative_of_a_constant_output(fn):
-    # jax.grad(jax.jit(f)) traces f (and its vmap) first: the vmap fixes the output unbatched, as above.
+def test_grad_of_a_jit_around_the_vmap_gives_each_example_its_own_derivative_of_a_constant_output(fn):
+    # jax.grad(jax.jit(f)) traces f (and its vmap) before differentiating: the vmap fixes the output's batch
+    # axis first, as above. Passes' rules carry each example's cotangent through unchanged.
     loss = jax.jit(lambda x: jnp.sum(WEIGHTS * jax.vmap(fn.apply)(x)))
-    with pytest.raises(ValueError, match="fixed the output's batch axis by its value alone"):
-        jax.grad(loss)(EXAMPLES)
-    close(jax.jit(jax.grad(lambda x: jnp.sum(WEIGHTS * jax.vmap(fn.apply)(x))))(EXAMPLES), WEIGHTS)
+    close(jax.grad(loss)(EXAMPLES), WEIGHTS)
 
 
-@functions(MovesWithX, ("both",))
-def test_a_second_derivative_through_reverse_mode_of_a_constant_output_raises_naming_the_class(fn):
-    # jacfwd(grad(...)) of a vmap: reverse mode batched the outputs by their values before the outer
-    # derivative reached the second one, whose derivative moves with x per example (the loop's answer
-    # would batch it). vjpkit says so, naming the class, instead of JAX's "got axis spec None".
+@functions(Passes)
+def test_inside_a_staged_call_a_constant_output_with_a_moving_derivative_comes_out_batched(fn):
+    # Where a vmap batches a jaxpr, the output's batch axis is fixed before any derivative: it takes the one its
+    # derivative needs, so out_axes=None refuses it there (outside jit it stays unbatched until differentiated).
+    assert jax.vmap(fn.apply, out_axes=None)(EXAMPLES).shape == ()
+    with pytest.raises(ValueError, match="got axis spec None but output was batched on axis 0"):
+        jax.vmap(jax.jit(fn.apply), out_axes=None)(EXAMPLES)
+    close(jax.vmap(jax.jit(fn.apply))(EXAMPLES), jnp.zeros(3))
+
+
+@functions(MovesWithX)
+@pytest.mark.parametrize("second", [jax.hessian, lambda f, argnums: jax.jacfwd(jax.grad(f, argnums), argnums)],
+                         ids=["hessian", "jacfwd_of_grad"])
+def test_a_second_derivative_through_reverse_mode_of_a_constant_output_is_each_examples_own(fn, second):
+    # Reverse mode records the vmapped call before the outer derivative reaches the second output, whose value
+    # is 2 * w for every example but whose rules move it with x: each example gets its own second derivative.
     def loss(xs, w):
-        return (WEIGHTS * jax.vmap(fn.apply, (0, None))(xs, w)[1]).sum()
+        return (WEIGHTS * jnp.sin(jax.vmap(fn.apply, (0, None))(xs, w)[1])).sum()
 
-    name = fn.__name__
-    with pytest.raises(ValueError, match=rf"{name}: under jax\.vmap, an output of {name} whose value does not "
-                                         r"depend on the batch has a derivative here that does .* Take the "
-                                         r"derivatives inside the vmap"):
-        jax.jacfwd(jax.grad(loss))(EXAMPLES, jnp.asarray(0.7))
+    def loop_loss(xs, w):
+        return sum(WEIGHTS[b] * jnp.sin(fn.apply(xs[b], w)[1]) for b in range(len(xs)))
+
+    w = jnp.asarray(0.7)
+    # By hand: the second output's tangent is tx + 2 tw, so d2/dx_b2 = -W_b sin(2w), d2/dx_b dw = -2 W_b sin(2w)
+    # and d2/dw2 = -4 sum_b W_b sin(2w).
+    s = -WEIGHTS * jnp.sin(2 * w)
+    by_hand = ((jnp.diag(s), 2 * s), (2 * s, 4 * s.sum()))
+    close(second(loss, argnums=(0, 1))(EXAMPLES, w), by_hand)
+    close(second(loop_loss, argnums=(0, 1))(EXAMPLES, w), by_hand)
+
+
+@functions(Passes)
+def test_where_the_fixed_batch_axes_disagree_with_the_rule_vjpkit_raises_rather_than_broadcast(fn, monkeypatch):
+    # A guard: should the staged call's outputs ever be batched apart from what the rule needs (here forced by
+    # reading no derivative when the call is batched), JAX would broadcast each example's tangent; vjpkit raises.
+    monkeypatch.setattr(_tie, "_derivative_batched", lambda *args: set())
+    loss = jax.jit(lambda x: jnp.sum(WEIGHTS * jax.vmap(fn.apply)(x)))
+    with pytest.raises(ValueError, match=rf"{fn.__name__} has an output that does not vary along a jax\.vmap but "
+                                         r"whose derivative does .* fixed the output's batch axis by its value alone"):
+        jax.grad(loss)(EXAMPLES)

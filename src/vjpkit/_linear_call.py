@@ -22,6 +22,7 @@ work inside the rules.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -406,7 +407,7 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, num_witnesses, apply, 
     lin_axes = tuple(None if d is None else 0 for d in lin_dims)
     # The outputs' batch axes (witnesses: none where no vmap may batch the call, nor after partial evaluation).
     outputs_batched = bool(witness_dims) and all(d is not None for d in witness_dims)
-    rule_batching = _jax_internals.custom_jvp_rule_batching() if witness_dims else None
+    rule_batching = _jax_internals.custom_jvp_rule_batching() if witness_dims and not reading_batching.active else None
     batched_jaxpr = None
     if outputs_batched and rule_batching is not None:
         # Each output is batched in value, so JAX batches its tangent anyway: nothing to learn from the rule.
@@ -439,16 +440,33 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, num_witnesses, apply, 
     return out, list(out_axes)
 
 
+class _ReadingBatching(threading.local):
+    """Whether this thread is reading which outputs of a rule vary along a batch (``_tie._derivative_batched``).
+
+    That reading traces and batches the rule for one example, nested in
+    whatever batching asked; how a vmap batches the rule running now
+    (``custom_jvp_rule_batching``, read from the callers) belongs to that
+    outer batching, not to the reading. The ties of the rule read are
+    batched by their values there, which stops the reading from recursing.
+    """
+
+    active = False
+
+
+reading_batching = _ReadingBatching()
+
+
 def _batched_apart_from_output(name: str) -> ValueError:
     """The error for a tangent batched where a vmap fixed its output unbatched before batching the rule.
 
     Why: a vmap that batches a call inside a jaxpr fixes its outputs' batch
-    axes by forward alone (``_jax_internals.vmap_fixed_outputs_before_rule``),
-    so an output whose value does not depend on the batch but whose
-    derivative does (rules that are not forward's derivative) cannot get
-    each example's derivative there; JAX would broadcast the tangent against
-    the fixed axes (for a ``jax.custom_jvp``: per example the sum of the
-    examples' derivatives, or an error inside JAX).
+    axes by the call's function alone, before any derivative batches the
+    rule. A staged Function's function ties its outputs so that those axes
+    already follow the rule's derivative (``_program.Program._primal``,
+    ``_tie._derivative_batched``); this guard stands where they still do
+    not, for JAX would broadcast each example's tangent against the fixed
+    axes (for a ``jax.custom_jvp``: per example the sum of the examples'
+    derivatives, or an error inside JAX).
     """
     return ValueError(
         f"{name} has an output that does not vary along a jax.vmap but whose derivative does ({name}'s rules "

@@ -74,7 +74,7 @@ class Program:
 
     def _custom_jvp(self) -> Any:
         spec, runner = self.spec, self.runner
-        primal = _named(runner.primal, spec.name)
+        primal = _named(self._primal, spec.name)
         function = jax.custom_jvp(primal)
 
         def rule(primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
@@ -87,6 +87,23 @@ class Program:
         _jax_internals.save_rule_debug_info(rule, "custom_jvp jvp", n_arrays)
         function.defjvp(rule, symbolic_zeros=True)
         return function
+
+    def _primal(self, *arrays: Any) -> Packed:
+        """forward's outputs where JAX runs the ``custom_jvp``'s function (nothing is differentiated there).
+
+        Staged outside any vmap (a ``jit``, ``scan``, ``cond`` or
+        ``checkpoint`` body), the outputs are tied: a vmap that batches the
+        staged function later fixes its outputs' batch axes before a
+        derivative runs the rule, and the tie's batching rule batches an
+        output whose derivative varies along the batch even where its value
+        does not (a loop over the examples gives each its own derivative).
+        The tie lowers to nothing.
+        """
+        if self.spec.host or not _jax_internals.is_staging():
+            return self.runner.primal(*arrays)
+        arrays = as_arrays(arrays)
+        packed, residuals = self.runner.run_primal(arrays)
+        return self._tied(arrays, packed, residuals)[0]
 
     def jit(self) -> tuple[Callable, Callable]:
         """New ``jax.jit``s of the program (one pair per cache entry): for calls on tracers, and on arrays.
@@ -200,7 +217,7 @@ class Program:
             # The outer derivative moves an input that forward was told needs
             # no gradient (a gradient penalty's parameters): run forward again
             # as PyTorch would have, knowing every input that needs one.
-            packed, again = runner.run_forward(as_arrays(inputs), needs)
+            packed, again = runner.run_forward(as_arrays(inputs), needs, forward_mode=True)
             _, again = self._tied(tuple(inputs), packed, again)
             meta, residuals = again.meta, list(again.arrays)
         in_avals = [(tuple(x.shape), x.dtype) for x in inputs]

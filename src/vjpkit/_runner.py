@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import linecache
 import os
+import traceback
 import types
 from typing import Any, Callable, Sequence
 
@@ -191,16 +192,11 @@ def _traced_value_error(owner: str, name: str, e: Exception) -> TypeError:
 
 def _user_line(e: BaseException) -> str:
     """Where in the user's code ``e`` was raised: the innermost frame outside JAX, NumPy and vjpkit."""
-    found = None
-    tb = e.__traceback__
-    while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-            found = tb
-        tb = tb.tb_next
-    if found is None:
+    users = [entry for entry in traceback.extract_tb(e.__traceback__) if not entry.filename.startswith(_LIBRARY_DIRS)]
+    if not users:
         return ""
-    filename, line = found.tb_frame.f_code.co_filename, found.tb_lineno
-    source = linecache.getline(filename, line).strip()
+    filename, line = users[-1].filename, users[-1].lineno
+    source = linecache.getline(filename, line or 0).strip()
     return f" At line {line} of {filename}" + (f": `{source}`" if source else ".")
 
 
@@ -391,6 +387,9 @@ def _split_carried(carried: Carried) -> tuple[Partition, tuple]:
     return layout, tuple(as_jax_leaf(x) for x in carried.saved if x is not None)
 
 
+_NOTHING_SAVED = _split_carried(Carried((), (), {}, None))[0]
+
+
 def _combine_carried(layout: Partition, arrays: Sequence[Any]) -> Carried:
     """``layout.combine(arrays)``: what forward left, rebuilt from its arrays (directly for saved arrays only)."""
     nones = _SAVED_ONLY_NONES.get(layout)
@@ -460,6 +459,22 @@ class Runner:
         """forward's outputs when nothing is differentiated."""
         packed, _, _ = self._forward(as_arrays(arrays), (False,) * self.n_params)
         return packed
+
+    def run_primal(self, arrays: tuple) -> tuple[Packed, Residuals]:
+        """forward's outputs when nothing is differentiated, with what a tie of them needs: no residual.
+
+        No rule runs from them: a tie's derivative runs forward again,
+        knowing the inputs it moves (``Program.tie_tangents``), so nothing
+        forward saved is kept or checked here.
+        """
+        needs = (False,) * self.n_params
+        packed, out, ctx = self._forward(arrays, needs)
+        left = forwarded(ctx)
+        meta = ResidualMeta(
+            _NOTHING_SAVED, needs, differentiable_outputs(out, left.non_differentiable),
+            tuple(_kind(a) for a in packed.arrays), left.materialize, self.input_kinds(arrays),
+        )
+        return packed, Residuals((), meta)
 
     def run_forward(self, arrays: tuple, needs: tuple, forward_mode: bool = False) -> tuple[Packed, Residuals]:
         """forward's outputs, and what backward (and, in ``forward_mode``, jvp) needs of it (``arrays``: JAX arrays)."""

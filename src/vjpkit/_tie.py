@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from . import _jax_internals
 from ._args import as_arrays
 from ._jax_internals import Primitive, ad, batching, mlir
+from ._linear_call import reading_batching
 from ._tree import is_differentiable_dtype
 
 # ---------------------------------------------------------------------------
@@ -167,6 +168,15 @@ class _Tie:
         return self.program.spec.name
 
 
+def _rule_along(tie: Any, primals: list, moving: list, moving_tangents: list) -> tuple[list, list]:
+    """The tie's JVP with the tangents of the ``moving`` operands (every other one zero), all tangents instantiated."""
+    full: list = [ad.Zero(_jax_internals.tangent_aval(p)) for p in primals]
+    for at, t in zip(moving, moving_tangents, strict=True):
+        full[at] = t
+    outputs, out_tangents = tie.rule(primals, full)
+    return list(outputs), [ad.instantiate_zeros(t) for t in out_tangents]
+
+
 class _BatchedTie:
     """A tie under ``jax.vmap``: the unbatched tie's derivative, run under the same vmap.
 
@@ -174,13 +184,16 @@ class _BatchedTie:
     output keeps its operand's axis (``out_dims``).
     """
 
-    __slots__ = ("inner", "dims", "size", "axis_names", "outputs_at", "out_dims", "__weakref__")
+    __slots__ = ("inner", "dims", "size", "axis_names", "inputs_at", "in_dtypes", "outputs_at", "out_dims",
+                 "__weakref__")
 
     def __init__(self, inner: Any, dims: tuple, size: int, axis_names: dict):
         self.inner = inner
         self.dims = dims
         self.size = size
         self.axis_names = axis_names
+        self.inputs_at = inner.inputs_at  # the operands of the inner tie, each with a batch axis more or not
+        self.in_dtypes = inner.in_dtypes
         self.outputs_at = inner.outputs_at
         self.out_dims = [dims[at] for at in inner.outputs_at]
 
@@ -190,37 +203,13 @@ class _BatchedTie:
         ]
 
         def unbatched(primals: list, moving_tangents: list) -> tuple[list, list]:
-            full: list = [ad.Zero(_jax_internals.tangent_aval(p)) for p in primals]
-            for at, t in zip(moving, moving_tangents, strict=True):
-                full[at] = t
-            outputs, out_tangents = self.inner.rule(primals, full)
-            return list(outputs), [ad.instantiate_zeros(t) for t in out_tangents]
+            return _rule_along(self.inner, primals, moving, moving_tangents)
 
         in_axes = (list(self.dims), [self.dims[at] for at in moving])
-        # An output that is not batched keeps an unbatched tangent (vmap raises if it varies along the batch).
+        # An output left unbatched has a derivative that does not vary along the batch (``_tie_batch``).
         out_axes = (list(self.out_dims), list(self.out_dims))
         args = (list(primals), [tangents[at] for at in moving])
-        try:
-            return jax.vmap(unbatched, in_axes=in_axes, out_axes=out_axes, axis_size=self.size,
-                            **self.axis_names)(*args)
-        except ValueError:
-            # The same rule with every tangent batched: where that runs, an output left unbatched by its
-            # value has a tangent that varies along the batch, which the loop over examples would batch.
-            every = (list(self.out_dims), [0] * len(self.out_dims))
-            try:
-                jax.vmap(unbatched, in_axes=in_axes, out_axes=every, axis_size=self.size, **self.axis_names)(*args)
-            except Exception:
-                raise  # the original error: something else failed
-            name = repr(self.inner)
-            raise ValueError(
-                f"{name}: under jax.vmap, an output of {name} whose value does not depend on the batch has a "
-                f"derivative here that does (its rules make it move with a batched input), but the vmap "
-                f"batched {name}'s outputs by their values before this derivative was taken (a second "
-                "derivative taken through reverse mode, as jax.hessian or jax.jacfwd(jax.grad(...)) of a "
-                f"function that vmaps {name}), so no example can get its own. Take the derivatives inside the "
-                f"vmap (jax.vmap(jax.hessian(f))), or make {name}'s forward return that output batched "
-                "(broadcast it along the batched input)."
-            ) from None
+        return jax.vmap(unbatched, in_axes=in_axes, out_axes=out_axes, axis_size=self.size, **self.axis_names)(*args)
 
     def __repr__(self) -> str:
         return f"vmapped {self.inner!r}"
@@ -258,11 +247,51 @@ def _tie_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, tie:
     args, dims = list(args), list(dims)
     if _jax_internals.differentiating_here():
         # Its derivative is taken now, and may vary along the batch even where its value does not.
-        for at in set(tie.outputs_at):
-            args[at], dims[at] = batching.bdim_at_front(args[at], dims[at], size), 0
-    # Otherwise each output keeps its own batch axis: one that does not depend on the batch stays unbatched.
+        moving = set(tie.outputs_at)
+    elif not reading_batching.active:
+        # Its derivative may be taken later (reverse mode records the tie first, and a second derivative
+        # differentiates the record): an output is batched where its value or its derivative varies along the batch.
+        moving = _derivative_batched(tie, args, dims, axis_data)
+    else:  # a tie of the derivative being read: only its tangents are read, the outputs of this order matter
+        moving = set()
+    for at in moving:
+        args[at], dims[at] = batching.bdim_at_front(args[at], dims[at], size), 0
+    # Every other output keeps its own batch axis: one that does not depend on the batch stays unbatched.
     batched = _BatchedTie(tie, tuple(dims), size, axis_names)
     return _tie_p.bind(*args, tie=batched), list(batched.out_dims)
+
+
+def _derivative_batched(tie: Any, args: Sequence[Any], dims: Sequence[Any], axis_data: Any) -> set[int]:
+    """The operands of tied outputs unbatched in value whose derivative varies along the batch.
+
+    Read as ``_linear_call`` reads a rule's: the tie's derivative for one
+    example, traced and batched by JAX, each input's tangent batched where
+    the input is (a tangent's shape is its primal's). Outputs whose value
+    is batched need nothing, and where no input is batched no derivative
+    varies: the common cases trace nothing. A rule that cannot be traced
+    says nothing here (its error comes where it runs).
+    """
+    unbatched = {at for at in tie.outputs_at if dims[at] is None}
+    if not unbatched or all(dims[at] is None for at in tie.inputs_at):
+        return set()
+    size = axis_data.size
+    avals = [_jax_internals.typeof(x) if d is None else _jax_internals.example_aval(_jax_internals.typeof(x), size, d)
+             for x, d in zip(args, dims, strict=True)]
+    moving = sorted({at for d, at in enumerate(tie.inputs_at) if is_differentiable_dtype(tie.in_dtypes[d])})
+
+    def derivative(primals: list, moving_tangents: list) -> list:
+        return _rule_along(tie, primals, moving, moving_tangents)[1]
+
+    reading_batching.active = True
+    try:
+        jaxpr = jax.make_jaxpr(derivative)(avals, [avals[at].strip_weak_type().to_tangent_aval() for at in moving])
+        in_batched = [d is not None for d in dims] + [dims[at] is not None for at in moving]
+        out_batched = _jax_internals.batch_example(jaxpr, axis_data, in_batched)[1]
+    except Exception:  # noqa: BLE001 - the rule's own error comes where it runs
+        return set()
+    finally:
+        reading_batching.active = False
+    return {at for at, b in zip(tie.outputs_at, out_batched, strict=True) if b and at in unbatched}
 
 
 _tie_p.def_impl(_tie_impl)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
-import types
+import traceback
 import warnings
 from typing import Sequence
 
@@ -81,10 +80,11 @@ def _outside_vjpkit() -> int:
     A fixed level would name a line inside vjpkit when gradcheck is called
     through ``vjpkit.testing`` or the command line.
     """
-    frame: types.FrameType | None = sys._getframe(1)  # warn's frame: stacklevel 1
+    stack = traceback.extract_stack()[:-1]  # warn's caller first, from the innermost: stacklevel 1 is warn's frame
     level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame = frame.f_back
+    for entry in reversed(stack):
+        if not entry.filename.startswith(_PACKAGE_DIR):
+            break
         level += 1
     return level
 

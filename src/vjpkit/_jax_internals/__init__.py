@@ -27,7 +27,7 @@ batching.batch_custom_jvp_subtrace (its code: a frame  all             none
 batching.BatchTrace.process_custom_jvp_call (its       all             none
   code: a frame that batches a custom_jvp's function
   and rule together)
-experimental.shard_map.ShardMapTrace (eager shard_map  0.4.38 to 0.5   none
+experimental.shard_map.ShardMapTrace (eager shard_map  0.4.38 to 0.5   none (JAX without ``jax.shard_map``)
   that refuses a custom_jvp with symbolic zeros)
 partial_eval.DynamicJaxprTrace                         all             none
 partial_eval.partial_eval_jaxpr_nounits (a rule's      all             none (public before JAX 0.10)
@@ -48,7 +48,7 @@ dispatch.runtime_tokens (its output tokens dropped     all             none
   after a failed effects barrier)
 pjit._pjit_transpose_trace (presence only)             0.4.38 to 0.7   none
 util.weakref_cache_key_types                           0.7 on          none
-api_util.debug_info, save_wrapped_fun_debug_info       0.7 on          none
+api_util.debug_info, save_wrapped_fun_debug_info       0.7 on          none (found by the saver's name)
 source_info_util._source_info_context (a named scope)  0.4.38          ``jax.named_scope`` (0.5 on: as
                                                                        cheap)
 =====================================================  ==============  ==========================================

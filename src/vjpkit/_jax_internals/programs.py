@@ -106,11 +106,9 @@ _api_util = _require_module("jax._src.api_util")
 # JAX 0.7 and later compute a function's debug info (its name, source line
 # and argument names, read by error messages) on every call of a custom_vjp,
 # with ``inspect.signature`` and a flattening of the arguments, unless the
-# function carries it precomputed; older JAX has no such attribute.
-_DEBUG_INFO_CAN_BE_SAVED = (
-    hasattr(_api_util, "save_wrapped_fun_debug_info")
-    and "__fun_debug_info__" in _api_util.debug_info.__code__.co_consts
-)
+# function carries it precomputed (``save_wrapped_fun_debug_info``); older
+# JAX has neither (and a saved one it did not read would only be an attribute).
+_DEBUG_INFO_CAN_BE_SAVED = hasattr(_api_util, "save_wrapped_fun_debug_info")
 
 
 class _Leaf:

@@ -4,10 +4,11 @@ linearization of a Function; where a trace stands (vmap, eager shard_map)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import types
 from typing import Any, Literal, Sequence
+
+import jax as _jax
 
 from ._lookup import _ad, _config, _core, _missing, _pe, _require, _require_module, ad
 
@@ -289,34 +290,25 @@ def custom_jvp_rule_batching() -> Literal["with its function", "after its functi
 
 # The eager trace of ``jax.experimental.shard_map`` (a shard_map called outside jit) runs a custom_jvp's function
 # and drops its rule: it is the bottom trace, and no differentiation below it can need the rule. Before JAX 0.6 it
-# first refuses a custom_jvp with symbolic zeros (every Function is one), with this message; JAX 0.6's
-# jax.shard_map (whose trace jax.experimental.shard_map shares from then on) drops the rule either way.
-_SHARD_MAP_REFUSES_SYMBOLIC_ZEROS = "custom_jvp symbolic_zeros support with shard_map is not implemented"
+# first refuses a custom_jvp with symbolic zeros (every Function is one); JAX 0.6's jax.shard_map (whose trace
+# jax.experimental.shard_map shares from then on) drops the rule either way: told by that public name.
+_SHARD_MAP_REFUSES_SYMBOLIC_ZEROS = not hasattr(_jax, "shard_map")
 
 
 def reaches_eager_shard_map_refusing_symbolic_zeros() -> bool:
     """Whether a ``custom_jvp`` bound now reaches, through vmaps only, an eager shard_map that refuses symbolic zeros.
 
     Why: there JAX runs the function and drops the rule, so a Function
-    calls its primal directly, as later JAX does for it. Found by feature:
-    the message in the code of ``ShardMapTrace.process_custom_jvp_call``
-    of an imported ``jax.experimental.shard_map`` (JAX 0.4.38 to 0.5); a
-    program that never imported it has no such trace.
+    calls its primal directly, as later JAX does for it. JAX 0.4.38 to 0.5,
+    in a program that imported ``jax.experimental.shard_map`` (one that
+    never did has no such trace).
     """
+    if not _SHARD_MAP_REFUSES_SYMBOLIC_ZEROS:
+        return False
     trace_type = getattr(sys.modules.get("jax.experimental.shard_map"), "ShardMapTrace", None)
-    if not _refuses_symbolic_zeros(trace_type):
+    if trace_type is None:
         return False
     trace = _trace_ctx.trace
     while isinstance(trace, _BatchTrace):
         trace = trace.parent_trace
-    return isinstance(trace, trace_type)  # type: ignore[arg-type]  # a type: its method was found above
-
-
-
-
-@functools.cache
-def _refuses_symbolic_zeros(trace_type: Any) -> bool:
-    """Whether ``trace_type.process_custom_jvp_call`` has the refusal's message (read once per type)."""
-    method = getattr(trace_type, "process_custom_jvp_call", None)
-    constants = getattr(getattr(method, "__code__", None), "co_consts", ())
-    return any(isinstance(c, str) and _SHARD_MAP_REFUSES_SYMBOLIC_ZEROS in c for c in constants)
+    return isinstance(trace, trace_type)

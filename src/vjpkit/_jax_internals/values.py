@@ -89,9 +89,9 @@ _batch_jaxpr = _require(_require_module("jax._src.interpreters.batching"), "batc
                         "jax._src.interpreters.batching")
 
 
-def example_aval(aval: Any, size: int) -> Any:
-    """The type of one example of a value of type ``aval`` batched along its leading axis of ``size``."""
-    return _mapped_aval(size, 0, aval)
+def example_aval(aval: Any, size: int, axis: int = 0) -> Any:
+    """The type of one example of a value of type ``aval`` batched along its ``axis`` (leading: 0) of ``size``."""
+    return _mapped_aval(size, axis, aval)
 
 
 def batch_example(jaxpr: Any, axis_data: Any, in_batched: Sequence[bool]) -> tuple[Any, list[bool]]:
