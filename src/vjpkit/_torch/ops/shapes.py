@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._torch_ops import RULES, VIEWS, Untraceable, _dims, _in, _on_vector, _rule, _sizes, jax_dtype
+from .arithmetic import RULES, VIEWS, Untraceable, _dims, _in, _on_vector, _rule, _sizes, jax_dtype
 
 __all__ = ["index_of", "set_item"]
 

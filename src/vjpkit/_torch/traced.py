@@ -20,15 +20,16 @@ import numpy as np
 import torch
 from torch.overrides import resolve_name
 
-from . import _caches, _jax_internals, _torch_special  # noqa: F401 - _torch_special registers its calls
-from ._ctx import FunctionCtx
-from ._from_torch import defines, is_torch_once_differentiable
-from ._function import Function
-from ._once import once_differentiable
-from ._torch_ops import Untraceable
-from ._torch_original import UNSET, named_tuples, passed_arguments
-from ._torch_trace import _is_tensor, _state, _to_jax, meta_of, stand_in
-from ._tree import is_array, partition
+from .. import _caches, _jax_internals
+from .._ctx import FunctionCtx
+from .._function import Function
+from .._once import once_differentiable
+from .._tree import is_array, partition
+from . import special  # noqa: F401 - special registers its calls
+from .callback import defines, is_torch_once_differentiable
+from .ops.arithmetic import Untraceable
+from .origin import UNSET, named_tuples, passed_arguments
+from .trace import _is_tensor, _state, _to_jax, meta_of, stand_in
 
 __all__ = ["Either", "TracedCtx", "auto", "run_traced", "trace_callable", "trace_function_class", "traced"]
 
@@ -155,7 +156,7 @@ class _NoRandomness(torch.overrides.TorchFunctionMode):
 
 
 _LIBRARIES = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (torch, jax, contextlib))
-_HERE = os.path.dirname(__file__) + os.sep
+_HERE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # vjpkit's own files
 
 
 def _user_line(tb: Any) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from ._tree import Partition
+from .._tree import Partition
 
 
 class Unset:

@@ -49,15 +49,15 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from . import _caches, _sharding
-from ._ctx import FunctionCtx
-from ._function import Function
-from ._once import call_without_derivative, once_differentiable
-from ._outputs import is_differentiable_dtype
-from ._torch_device import as_output, keeps_tensors, torch_callback
-from ._torch_original import Origin, leaf_names, named_tuples, packing_extra_keywords
-from ._torch_shapes import FIXED_SHAPES, infer_outputs
-from ._tree import Partition, is_array, partition
+from .. import _caches, _sharding
+from .._ctx import FunctionCtx
+from .._function import Function
+from .._once import call_without_derivative, once_differentiable
+from .._outputs import is_differentiable_dtype
+from .._tree import Partition, is_array, partition
+from .device import as_output, keeps_tensors, torch_callback
+from .origin import Origin, leaf_names, named_tuples, packing_extra_keywords
+from .shapes import FIXED_SHAPES, infer_outputs
 
 __all__ = ["from_torch"]
 
@@ -121,9 +121,9 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
                                   reentrant)
     if mode == "callback":
         return callbacks()
-    from . import _torch_traced
+    from . import traced
 
-    return _torch_traced.traced(obj, mode, callbacks)
+    return traced.traced(obj, mode, callbacks)
 
 
 _MODES = ("callback", "trace", "auto")

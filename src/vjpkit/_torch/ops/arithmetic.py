@@ -516,4 +516,4 @@ VIEWS.update({"torch.broadcast_tensors", "torch.functional.broadcast_tensors"})
 
 
 # The shape, view and indexing rules live in their own module and register into the same tables.
-from . import _torch_ops_shapes  # noqa: E402,F401
+from . import shapes  # noqa: E402,F401

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from ._torch_ops import Untraceable, jax_dtype
-from ._torch_trace import (
+from .ops.arithmetic import Untraceable, jax_dtype
+from .trace import (
     _SPECIAL,
     TracedTensor,
     _constant,

@@ -49,8 +49,8 @@ import torch
 from jax import lax
 from torch.overrides import resolve_name
 
-from ._torch_ops import RULES, VIEWS, Untraceable, jax_dtype
-from ._torch_ops_shapes import set_item
+from .ops.arithmetic import RULES, VIEWS, Untraceable, jax_dtype
+from .ops.shapes import set_item
 
 __all__ = ["TracedTensor", "Untraceable", "meta_of", "stand_in"]
 
@@ -457,4 +457,4 @@ def _constant(t: torch.Tensor) -> Any:
 
 
 # The calls answered without a rule (autograd, devices, repr) register into _SPECIAL from their own module.
-from . import _torch_special  # noqa: E402,F401
+from . import special  # noqa: E402,F401

@@ -21,8 +21,8 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
-from ._host import _pure_callback
-from ._jax_internals import buffer_callback_api
+from .._host import _pure_callback
+from .._jax_internals import buffer_callback_api
 
 __all__ = ["as_output", "host_callbacks", "keeps_tensors", "torch_callback"]
 

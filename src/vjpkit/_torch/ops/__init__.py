@@ -1,0 +1,1 @@
+"""Trace mode's table of torch operations."""
