@@ -26,12 +26,11 @@ from .._function import Function
 from .._once import once_differentiable
 from .._tree import is_array, partition
 from . import special  # noqa: F401 - special registers its calls
-from .callback import defines, is_torch_once_differentiable
 from .ops.arithmetic import Untraceable
-from .origin import UNSET, named_tuples, passed_arguments
+from .origin import UNSET, Origin, named_tuples, passed_arguments
 from .trace import _is_tensor, _state, _to_jax, meta_of, stand_in
 
-__all__ = ["Either", "TracedCtx", "auto", "run_traced", "trace_callable", "trace_function_class", "traced"]
+__all__ = ["Either", "TracedCtx", "auto", "run_traced", "trace_callable", "trace_function_class", "wrap"]
 
 # ---------------------------------------------------------------------------
 # Running the original's methods on stand-ins.
@@ -199,44 +198,37 @@ def running(where: str, grad: bool) -> Iterator[None]:
 # The fronts.
 
 
-def traced(obj: Any, mode: str, callbacks: Callable[[], Any]) -> Any:
-    """``from_torch(obj, mode="trace")``, or ``"auto"`` (``callbacks()``: ``obj`` by host callbacks)."""
-    if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)):
-        name = getattr(obj, "__name__", type(obj).__name__).replace("<lambda>", "lambda")
-        fn = trace_callable(obj, name)
+def wrap(origin: Origin, mode: str, callbacks: Callable[[], Any]) -> Any:
+    """``from_torch(original, mode="trace")``, or ``"auto"`` (``callbacks()``: the original by host callbacks)."""
+    name = origin.name
+    if not origin.is_class:
+        fn = trace_callable(origin.call, name)
         if mode == "auto":
             fn = auto(fn, callbacks(), name)
-        fn = functools.wraps(obj)(fn)
+        fn = functools.wraps(origin.original)(fn)
         fn._vjpkit_from_torch = True  # type: ignore[attr-defined]
         return fn
-    base = torch.autograd.Function
-    new_style = defines(obj, base, "setup_context")
-    if new_style and (defines(obj, base, "vmap") or getattr(obj, "generate_vmap_rule", False)):
+    if origin.batching_rule:
         if mode == "auto":
-            return Either(obj.__name__, always(callbacks().apply, "callback"))
-        raise Untraceable(f"{obj.__name__}.vmap", "is torch's batching rule; trace mode batches the traced "
+            return Either(name, always(callbacks().apply, "callback"))
+        raise Untraceable(f"{name}.vmap", "is torch's batching rule; trace mode batches the traced "
                           "operations and would ignore it (use mode='callback' or 'auto')")
-    params = list(inspect.signature(obj.forward).parameters.values())[0 if new_style else 1:]
-    backward = obj.backward if defines(obj, base, "backward") else None
     try:
-        cls = trace_function_class(
-            obj, params, new_style=new_style, has_backward=backward is not None, has_jvp=defines(obj, base, "jvp"),
-            once=backward is not None and is_torch_once_differentiable(backward))
+        cls = trace_function_class(origin)
     except Exception:
         if mode == "trace":
             raise
-        return Either(obj.__name__, always(callbacks().apply, "callback"))
+        return Either(name, always(callbacks().apply, "callback"))
     if mode == "trace":
         return cls
-    return Either(obj.__name__, auto(cls.apply, callbacks().apply, obj.__name__))
+    return Either(name, auto(cls.apply, callbacks().apply, name))
 
 
-def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backward: bool, has_jvp: bool,
-                         once: bool) -> Any:
-    """A vjpkit Function class running ``cls``'s methods as JAX operations."""
-    name = cls.__name__
+def trace_function_class(origin: Origin) -> Any:
+    """A vjpkit Function class running the original class's methods as JAX operations."""
+    cls, name, params, once = origin.original, origin.name, origin.params, origin.once
     keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
-    positional_names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional_names = origin.positional_names
     n_params = len(params)
 
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
@@ -248,7 +240,7 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
         positional, named = passed_arguments(positional_names, keyword_only, inputs)
         ctx.torch_inputs_passed = len(positional)  # torch's backward returns one gradient per positional input
         with torch.no_grad(), running(f"{name}.forward", grad=False):  # torch runs forward without grad
-            if new_style:
+            if origin.new_style:
                 out = cls.forward(*positional, **named)
                 cls.setup_context(tctx, inputs, out)
             else:
@@ -271,11 +263,11 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
     forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_ONLY),
          *(p if p.default is p.empty else p.replace(default=UNSET) for p in params)])
-    namespace: dict[str, Any] = {"__doc__": cls.__doc__, "__module__": __name__, "forward": staticmethod(forward),
+    namespace: dict[str, Any] = {"__doc__": origin.doc, "__module__": __name__, "forward": staticmethod(forward),
                                  "_vjpkit_from_torch": True}
-    if has_backward:
+    if origin.differentiable:
         namespace["backward"] = staticmethod(once_differentiable(backward) if once else backward)
-    if has_jvp:
+    if origin.has_jvp:
         namespace["jvp"] = staticmethod(jvp)
     return type(name, (Function,), namespace)
 
