@@ -56,6 +56,7 @@ from .._once import call_without_derivative, once_differentiable
 from .._outputs import is_differentiable_dtype
 from .._tree import Partition, is_array, partition
 from .device import as_output, keeps_tensors, torch_callback
+from .dtypes import jax_dtype, numpy_dtype
 from .origin import Origin, leaf_names, named_tuples, packing_extra_keywords
 from .shapes import FIXED_SHAPES, infer_outputs
 
@@ -477,23 +478,14 @@ def _numpy_of(torch: Any, t: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
     if t.device.type != "cpu":
         t = t.cpu()
     if t.dtype == torch.bfloat16:  # NumPy's DLPack has no bfloat16: cross as its bits
-        a = np.from_dlpack(t.contiguous().view(torch.int16)).view(_numpy_dtype(t.dtype))
+        a = np.from_dlpack(t.contiguous().view(torch.int16)).view(numpy_dtype(t.dtype))
     else:
         a = np.from_dlpack(t)
     return a if a.dtype == dtype else a.astype(dtype)
 
 
 def _torch_kind(t: Any) -> tuple:
-    return tuple(t.shape), np.dtype(jax.dtypes.canonicalize_dtype(_numpy_dtype(t.dtype)))
-
-
-def _numpy_dtype(torch_dtype: Any) -> np.dtype:
-    name = str(torch_dtype).removeprefix("torch.")
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype({"bool": "bool_", "complex64": "complex64", "complex128": "complex128"}.get(name, name))
+    return tuple(t.shape), jax_dtype(t.dtype)
 
 
 def _conj(t: Any) -> Any:

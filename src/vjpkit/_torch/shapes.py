@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .dtypes import torch_dtype
+
 
 def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, Any]:
     """forward's output structure, shapes and dtypes: run on meta tensors, else on sample values.
@@ -29,7 +31,7 @@ def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, An
     checks its outputs' shapes against these, ``_Program._to_numpy``.)
     """
     torch = program.origin.torch
-    meta = [torch.empty(shape, dtype=torch_dtype(torch, dtype), device="meta") for shape, dtype in program.in_kinds]
+    meta = [torch.empty(shape, dtype=torch_dtype(dtype), device="meta") for shape, dtype in program.in_kinds]
     ran_on = meta
     try:
         # Warnings about these made-up calls (torch's checkpoint: "None of the inputs have
@@ -201,8 +203,3 @@ def sample(rng: np.random.Generator, shape: tuple, dtype: np.dtype, low: float) 
         return rng.uniform(low, 1.5, shape).astype(dtype)
     return np.zeros(shape, dtype)
 
-
-def torch_dtype(torch: Any, dtype: np.dtype) -> Any:
-    if dtype.name == "bfloat16":
-        return torch.bfloat16
-    return torch.from_numpy(np.empty(0, dtype)).dtype

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from .ops.arithmetic import Untraceable, jax_dtype
+from .dtypes import jax_dtype
+from .ops.arithmetic import Untraceable
 from .trace import (
     _SPECIAL,
     TracedTensor,

@@ -44,12 +44,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 from jax import lax
 from torch.overrides import resolve_name
 
-from .ops.arithmetic import RULES, VIEWS, Untraceable, jax_dtype
+from .dtypes import jax_dtype, torch_dtype
+from .ops.arithmetic import RULES, VIEWS, Untraceable
 from .ops.shapes import set_item
 
 __all__ = ["TracedTensor", "Untraceable", "meta_of", "stand_in"]
@@ -137,11 +137,6 @@ def _set_requires_grad(t: TracedTensor, node: _Node | None) -> None:
     t._node = node
     with torch._C.DisableTorchFunctionSubclass():
         torch.Tensor.requires_grad_(t, node is not None)
-
-
-def torch_dtype(dtype: Any) -> Any:
-    name = np.dtype(dtype).name
-    return {"bool": torch.bool, "bfloat16": torch.bfloat16}.get(name) or getattr(torch, name)
 
 
 def meta_of(value: Any, dtype: Any = None) -> torch.Tensor:

@@ -25,10 +25,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-__all__ = ["RULES", "VIEWS", "Untraceable", "jax_dtype"]
+from ..dtypes import jax_dtype
+
+__all__ = ["RULES", "VIEWS", "Untraceable"]
 
 
 class Untraceable(NotImplementedError):
@@ -42,14 +43,6 @@ class Untraceable(NotImplementedError):
     def __str__(self) -> str:
         line = f" (at {self.line})" if self.line else ""
         return f"{self.where + ' calls ' if self.where else ''}{self.op}, which {self.why}{line}"
-
-
-def jax_dtype(torch_dtype: Any) -> np.dtype:
-    """The JAX dtype of a torch dtype, canonical (float64 is float32 without ``jax_enable_x64``)."""
-    name = str(torch_dtype).removeprefix("torch.")
-    if name == "bfloat16":
-        return jnp.dtype(jnp.bfloat16)
-    return jax.dtypes.canonicalize_dtype(np.dtype({"bool": "bool_"}.get(name, name)))
 
 
 RULES: dict[str, Callable] = {}

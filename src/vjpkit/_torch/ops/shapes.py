@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .arithmetic import RULES, VIEWS, Untraceable, _dims, _in, _on_vector, _rule, _sizes, jax_dtype
+from ..dtypes import jax_dtype
+from .arithmetic import RULES, VIEWS, Untraceable, _dims, _in, _on_vector, _rule, _sizes
 
 __all__ = ["index_of", "set_item"]
 
