@@ -50,7 +50,7 @@ import torch.utils._pytree as torch_pytree  # noqa: E402
 from vjpkit._jax_internals import enable_x64  # noqa: E402
 from vjpkit._torch import trace as torch_trace  # noqa: E402
 from vjpkit._torch import traced as torch_traced  # noqa: E402
-from vjpkit._torch.ops.arithmetic import Untraceable  # noqa: E402
+from vjpkit._torch.ops import Untraceable  # noqa: E402
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.uint8, torch.bool)
 SAMPLES_PER_DTYPE = 2  # sample_inputs taken per op and dtype
@@ -455,7 +455,7 @@ def torch_name(op: Any) -> str:
 
 def mapped_names() -> set:
     """Every torch function and method trace mode has a rule or an answer for."""
-    from vjpkit._torch.ops.arithmetic import RULES
+    from vjpkit._torch.ops import RULES
 
     return set(RULES) | set(torch_trace._SPECIAL) | set(torch_trace._METADATA)
 

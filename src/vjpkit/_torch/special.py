@@ -17,7 +17,7 @@ import torch
 from jax import lax
 
 from .dtypes import jax_dtype
-from .ops.arithmetic import Untraceable
+from .ops import Untraceable
 from .trace import (
     _SPECIAL,
     TracedTensor,

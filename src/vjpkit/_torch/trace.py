@@ -49,8 +49,7 @@ from jax import lax
 from torch.overrides import resolve_name
 
 from .dtypes import jax_dtype, torch_dtype
-from .ops.arithmetic import RULES, VIEWS, Untraceable
-from .ops.shapes import set_item
+from .ops import RULES, VIEWS, Untraceable, set_item
 
 __all__ = ["TracedTensor", "Untraceable", "meta_of", "stand_in"]
 

@@ -26,7 +26,7 @@ from .._function import Function
 from .._once import once_differentiable
 from .._tree import is_array, partition
 from . import special  # noqa: F401 - special registers its calls
-from .ops.arithmetic import Untraceable
+from .ops import Untraceable
 from .origin import UNSET, Origin, named_tuples, passed_arguments
 from .trace import _is_tensor, _state, _to_jax, meta_of, stand_in
 
