@@ -450,14 +450,14 @@ def torch_name(op: Any) -> str:
     name, a lambda of OpInfo's own or a composite such as ``torch.masked.sum``, traced through what it calls)."""
     if torch.overrides.resolve_name(op.op) is None:
         return "-"
-    return torch_trace._name(op.op)
+    return torch_trace.torch_name(op.op)
 
 
 def mapped_names() -> set:
     """Every torch function and method trace mode has a rule or an answer for."""
     from vjpkit._torch.ops import RULES
 
-    return set(RULES) | set(torch_trace._SPECIAL) | set(torch_trace._METADATA)
+    return set(RULES) | set(torch_trace.SPECIAL) | set(torch_trace.METADATA)
 
 
 def status(outcomes: list, mapped: bool) -> str:

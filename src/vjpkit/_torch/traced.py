@@ -1,6 +1,6 @@
 """``from_torch(..., mode="trace")``'s fronts: the traced Function, the traced callable and ``"auto"``'s choice.
 
-The original's methods run on stand-ins (``_torch_trace``) inside ``running``,
+The original's methods run on stand-ins (``trace.py``) inside ``running``,
 which sets torch's grad mode, refuses random draws and says where a refused
 call stands; ``TracedCtx`` is the ctx they see, kept on vjpkit's ctx.
 """
@@ -25,10 +25,10 @@ from .._ctx import FunctionCtx
 from .._function import Function
 from .._once import once_differentiable
 from .._tree import is_array, partition
-from . import special  # noqa: F401 - special registers its calls
 from .ops import Untraceable
 from .origin import UNSET, Origin, named_tuples, passed_arguments
-from .trace import _is_tensor, _state, _to_jax, meta_of, stand_in
+from .standin import differentiated, is_tensor, meta_of, to_jax
+from .trace import stand_in
 
 __all__ = ["Either", "TracedCtx", "auto", "run_traced", "trace_callable", "trace_function_class", "wrap"]
 
@@ -52,8 +52,8 @@ def to_jax_tree(tree: Any) -> Any:
     A ``torch.return_types`` result (``torch.max(x, 1)``, ``sort``) is a C struct
     sequence that JAX does not see into: it becomes a namedtuple of the same name and fields.
     """
-    return jax.tree_util.tree_map(lambda x: _to_jax(x) if _is_tensor(x) else x, named_tuples(tree),
-                                  is_leaf=_is_tensor)
+    return jax.tree_util.tree_map(lambda x: to_jax(x) if is_tensor(x) else x, named_tuples(tree),
+                                  is_leaf=is_tensor)
 
 
 def to_torch_tree(tree: Any, requires_grad: Callable[[int], bool] = lambda i: False) -> Any:
@@ -66,7 +66,7 @@ def to_torch_tree(tree: Any, requires_grad: Callable[[int], bool] = lambda i: Fa
 
 def _hold(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return _Held(_to_jax(x), x.dtype)
+        return _Held(to_jax(x), x.dtype)
     return x
 
 
@@ -94,8 +94,8 @@ class TracedCtx:
 
     def _save(self, method: str, dtypes: str, tensors: tuple) -> None:
         ctx = self._vjpkit_ctx
-        getattr(ctx, method)(*[None if t is None else _to_jax(t) if _is_tensor(t) else t for t in tensors])
-        setattr(ctx, dtypes, tuple(t.dtype if _is_tensor(t) else None for t in tensors))
+        getattr(ctx, method)(*[None if t is None else to_jax(t) if is_tensor(t) else t for t in tensors])
+        setattr(ctx, dtypes, tuple(t.dtype if is_tensor(t) else None for t in tensors))
 
     @property
     def saved_tensors(self) -> tuple:
@@ -112,7 +112,7 @@ class TracedCtx:
         return self._vjpkit_ctx.needs_input_grad
 
     def mark_non_differentiable(self, *outputs: Any) -> None:
-        self._vjpkit_ctx.mark_non_differentiable(*[_to_jax(t) for t in outputs])
+        self._vjpkit_ctx.mark_non_differentiable(*[to_jax(t) for t in outputs])
 
     def set_materialize_grads(self, value: bool) -> None:
         self._vjpkit_ctx.set_materialize_grads(value)
@@ -121,7 +121,7 @@ class TracedCtx:
         """Accepted: the in-place update already gave the stand-in its new value, which forward returns."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._vjpkit_ctx, name, jax.tree_util.tree_map(_hold, value, is_leaf=_is_tensor))
+        setattr(self._vjpkit_ctx, name, jax.tree_util.tree_map(_hold, value, is_leaf=is_tensor))
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._vjpkit_ctx, name)
@@ -173,10 +173,8 @@ def _user_line(tb: Any) -> str:
 @contextlib.contextmanager
 def running(where: str, grad: bool) -> Iterator[None]:
     """Runs one of the original's methods: ``Untraceable`` says where; a value read on a meta tensor is one."""
-    before = _state["grad"]
-    _state["grad"] = grad
     try:
-        with torch.set_grad_enabled(grad), _NoRandomness():
+        with differentiated(grad), torch.set_grad_enabled(grad), _NoRandomness():
             yield
     except Untraceable as e:
         e.where = e.where or where
@@ -190,8 +188,6 @@ def running(where: str, grad: bool) -> Iterator[None]:
                               where=where)
         refusal.line = _user_line(e.__traceback__)
         raise refusal from e
-    finally:
-        _state["grad"] = before
 
 
 # ---------------------------------------------------------------------------
