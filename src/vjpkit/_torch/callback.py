@@ -335,8 +335,8 @@ class _Program:
         if needs_grad:
             tensors = [t.requires_grad_(True) if w else t for t, w in zip(tensors, wanted, strict=True)]
         with torch.enable_grad() if needs_grad else torch.no_grad():
-            outs = self._guarded(self.run, tensors, False)
-        self._check_unchanged(views, versions)
+            outs = self.guarded(self.run, tensors, False)
+        self.check_unchanged(views, versions)
         return self._to_numpy(outs)
 
     def _host_batched(self, xs: Sequence[Any], batch: tuple) -> list:
@@ -357,7 +357,7 @@ class _Program:
             return tuple(self.run(list(ts), False))
 
         with torch.no_grad():
-            outs = self._guarded(lambda ts, _: list(torch.func.vmap(unbatched, in_dims=tuple(dims))(*ts)),
+            outs = self.guarded(lambda ts, _: list(torch.func.vmap(unbatched, in_dims=tuple(dims))(*ts)),
                                  tensors, False)
         batched = [((size, *shape), dtype) for shape, dtype in self.out_kinds]
         return [a.reshape(batch + shape) for a, (shape, _) in
@@ -380,7 +380,7 @@ class _Program:
             warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
             duals = [fwad.make_dual(p, next(given)) if has else p for p, has in zip(primals, present, strict=True)]
             with torch.enable_grad():
-                outs = self._guarded(self.run, duals, False)
+                outs = self.guarded(self.run, duals, False)
             tangents = [
                 None if o is None else fwad.unpack_dual(o).tangent
                 for o, d in zip(outs, self.differentiable_out, strict=True) if d
@@ -388,7 +388,8 @@ class _Program:
         kinds = [k for k, d in zip(self.out_kinds, self.differentiable_out, strict=True) if d]
         return self._to_numpy(tangents, kinds)
 
-    def _guarded(self, run: Callable, tensors: list, create_graph: bool) -> list:
+    def guarded(self, run: Callable, tensors: list, create_graph: bool) -> list:
+        """``run(tensors, create_graph)``; torch's error names the method and that from_torch ran it."""
         try:
             return run(tensors, create_graph)
         except Exception as e:
@@ -404,7 +405,8 @@ class _Program:
         return (f"\n{self.origin.name} needs a full .backward() (a reentrant backward, as in PyTorch's "
                 f"checkpoint): pass reentrant=True to vjpkit.from_torch.")
 
-    def _check_unchanged(self, views: list, versions: list) -> None:
+    def check_unchanged(self, views: list, versions: list) -> None:
+        """Refuses an original that wrote into its inputs in place (JAX's buffers, unless it got copies)."""
         for name, t, v in zip(self.in_names, views, versions, strict=True):
             if t._version != v:
                 raise RuntimeError(
@@ -418,7 +420,7 @@ class _Program:
         for k, (o, (shape, _)) in enumerate(zip(outs, kinds, strict=True)):
             if o is not None and tuple(o.shape) != shape:
                 raise ValueError(self._shape_changed(k, tuple(o.shape), shape))
-        if keeps_tensors():  # written into XLA's output buffers, on the device (_torch_device.py)
+        if keeps_tensors():  # written into XLA's output buffers, on the device (device.py)
             return [as_output(o) for o in outs]
         return [_numpy_of(self.origin.torch, o, shape, dtype) for o, (shape, dtype) in zip(outs, kinds, strict=True)]
 

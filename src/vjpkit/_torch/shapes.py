@@ -28,7 +28,7 @@ def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, An
     learned from samples worthless where they reach an output: forward then
     runs once more with each such result one row longer, and an output shape
     that follows is refused here, naming the operation. (Every callback also
-    checks its outputs' shapes against these, ``_Program._to_numpy``.)
+    checks its outputs' shapes against these, ``callback._Program._to_numpy``.)
     """
     torch = program.origin.torch
     meta = [torch.empty(shape, dtype=torch_dtype(dtype), device="meta") for shape, dtype in program.in_kinds]
@@ -49,7 +49,7 @@ def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, An
             try:
                 with torch.no_grad(), warnings.catch_warnings(), watch:
                     warnings.simplefilter("ignore")
-                    program._guarded(run, samples, False)
+                    program.guarded(run, samples, False)
                 break
             except Exception:
                 if low != -1.5:
@@ -59,7 +59,7 @@ def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, An
             program.value_dependent = ", ".join(watch.seen)
             _refuse_value_dependent_shapes(program, run, samples, out_info)
     # An original that writes into its inputs is refused here, before a run on JAX's own buffers could.
-    program._check_unchanged(ran_on, [0] * len(ran_on))
+    program.check_unchanged(ran_on, [0] * len(ran_on))
     leaves = out_info["leaves"]
     treedef = out_info["treedef"]
     out_info.pop("leaves")

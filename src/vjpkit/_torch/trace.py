@@ -77,21 +77,12 @@ METADATA = {f"torch.Tensor.{name}" for name in (
 )} | {f"torch.{name}" for name in ("is_floating_point", "is_complex", "numel", "is_signed", "is_inference")}
 
 
-# Calls answered without a rule (autograd, devices, value reads): filled by ``_torch_special``.
-
-
-
-
 class TracedTensor(StandIn):
     """A stand-in torch tensor: every torch call on it reaches ``dispatch``."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         return dispatch(func, args, kwargs or {})
-
-
-
-
 
 
 def stand_in(value: Any, meta: torch.Tensor, requires_grad: bool = False) -> TracedTensor:

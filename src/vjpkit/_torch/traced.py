@@ -21,7 +21,7 @@ import torch
 from torch.overrides import resolve_name
 
 from .. import _caches, _jax_internals
-from .._ctx import FunctionCtx
+from .._ctx import FunctionCtx, in_jvp
 from .._function import Function
 from .._once import once_differentiable
 from .._tree import is_array, partition
@@ -100,8 +100,7 @@ class TracedCtx:
     @property
     def saved_tensors(self) -> tuple:
         ctx = self._vjpkit_ctx
-        in_jvp = ctx._vjpkit_in_jvp
-        dtypes = getattr(ctx, "_torch_saved_forward_dtypes" if in_jvp else "_torch_saved_dtypes", ())
+        dtypes = getattr(ctx, "_torch_saved_forward_dtypes" if in_jvp(ctx) else "_torch_saved_dtypes", ())
         return tuple(None if x is None else stand_in(x, meta_of(x, dtype))
                      for x, dtype in zip(ctx.saved_tensors, dtypes, strict=True))
 
