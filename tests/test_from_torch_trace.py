@@ -404,6 +404,14 @@ def traced_equals_torch(fn, *arrays, **kwargs):
 NONFINITE = np.array([np.inf, -np.inf, np.nan, 1.5, -0.0], np.float32)
 
 
+def test_the_op_tables_parts_name_no_torch_function_twice():
+    """The table is its parts together: a name in two parts would leave one rule silently unused."""
+    from vjpkit._torch.ops import RULES, arithmetic, shapes  # internal on purpose: the table's own parts
+
+    assert set(arithmetic.RULES) & set(shapes.RULES) == set()
+    assert len(RULES) == len(arithmetic.RULES) + len(shapes.RULES)
+
+
 def test_predicates_see_nan_and_infinity():
     for predicate in (torch.isnan, torch.isinf, torch.isfinite, torch.signbit):
         traced_equals_torch(predicate, NONFINITE)
