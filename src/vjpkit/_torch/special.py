@@ -38,6 +38,7 @@ __all__ = ["calls"]
 # call's values as stand-ins shaped as torch's ``out`` (``trace.stand_ins``). The tracer hands both to ``calls``.
 Make = Callable[..., StandIn]
 
+
 # ---------------------------------------------------------------------------
 # Autograd: detach, requires_grad_, torch.autograd.grad.
 
