@@ -51,7 +51,7 @@ from _timing import Candidate, median, no_wait, paired_ratio, print_table, time_
 
 import vjpkit
 from vjpkit._jax_internals import buffer_callback_api
-from vjpkit._torch_device import host_callbacks  # forces the fallback path, for the side-by-side table
+from vjpkit._torch.device import host_callbacks  # forces the fallback path, for the side-by-side table
 
 
 class TorchSwish(torch.autograd.Function):

@@ -9,7 +9,7 @@ against ``jax.vjp``, one seeded cotangent) where the op is differentiable.
 A case whose inputs hold a 64-bit tensor runs with x64 on; the others with
 it off, as most JAX programs run.
 
-Trace mode is evaluated op by op (``_torch_traced.run_traced`` on arrays, no
+Trace mode is evaluated op by op (``vjpkit._torch.traced.run_traced`` on arrays, no
 ``jit``): the table's rules are what is checked here, and compiling each
 case would cost more than running it. Callback mode runs the same cases
 through ``from_torch`` itself (``check_callback``).
@@ -47,9 +47,10 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 import torch.utils._pytree as torch_pytree  # noqa: E402
 
-from vjpkit import _torch_trace, _torch_traced  # noqa: E402
 from vjpkit._jax_internals import enable_x64  # noqa: E402
-from vjpkit._torch_ops import Untraceable  # noqa: E402
+from vjpkit._torch import trace as torch_trace  # noqa: E402
+from vjpkit._torch import traced as torch_traced  # noqa: E402
+from vjpkit._torch.ops import Untraceable  # noqa: E402
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.uint8, torch.bool)
 SAMPLES_PER_DTYPE = 2  # sample_inputs taken per op and dtype
@@ -282,7 +283,7 @@ def _run_traced(case: Case, tensors: list, call: Callable, want: Any) -> Outcome
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = _torch_traced.run_traced(call, case.name, tuple(arrays), {})
+            got = torch_traced.run_traced(call, case.name, tuple(arrays), {})
     except Untraceable as e:
         return Outcome("refused", e.op)
     except Exception as e:  # noqa: BLE001 - reported as a crash
@@ -333,7 +334,7 @@ def _compare_gradients(case: Case, tensors: list, arrays: list, call: Callable) 
         full = list(arrays)
         for i, d in zip(at, diff, strict=True):
             full[i] = d
-        out = _jax_outputs(_torch_traced.run_traced(call, case.name, tuple(full), {}))
+        out = _jax_outputs(torch_traced.run_traced(call, case.name, tuple(full), {}))
         return [o for o in out if isinstance(o, jax.Array) and jnp.issubdtype(o.dtype, jnp.floating)]
 
     try:
@@ -449,14 +450,14 @@ def torch_name(op: Any) -> str:
     name, a lambda of OpInfo's own or a composite such as ``torch.masked.sum``, traced through what it calls)."""
     if torch.overrides.resolve_name(op.op) is None:
         return "-"
-    return _torch_trace._name(op.op)
+    return torch_trace.torch_name(op.op)
 
 
 def mapped_names() -> set:
     """Every torch function and method trace mode has a rule or an answer for."""
-    from vjpkit._torch_ops import RULES
+    from vjpkit._torch.ops import RULES
 
-    return set(RULES) | set(_torch_trace._SPECIAL) | set(_torch_trace._METADATA)
+    return set(RULES) | set(torch_trace.SPECIAL) | set(torch_trace.METADATA)
 
 
 def status(outcomes: list, mapped: bool) -> str:

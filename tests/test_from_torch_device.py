@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import vjpkit
-from vjpkit._torch_device import host_callbacks  # internal on purpose: forces the fallback path
+from vjpkit._torch.device import host_callbacks  # internal on purpose: forces the fallback path
 
 torch = pytest.importorskip("torch")  # CI installs the torch extra
 from torch_functions import TorchAddOneInPlace  # noqa: E402
@@ -246,7 +246,7 @@ class FakeCuda:
 
 
 def test_on_a_gpu_torch_runs_on_xlas_stream_on_the_buffers_device():
-    from vjpkit._torch_device import _on_xla_stream
+    from vjpkit._torch.device import _on_xla_stream
 
     fake = type("FakeTorch", (), {"cuda": FakeCuda(), "device": staticmethod(lambda kind, index: f"{kind}:{index}")})
     kCUDA = 2  # noqa: N806 - DLPack's name for a CUDA device
@@ -256,7 +256,7 @@ def test_on_a_gpu_torch_runs_on_xlas_stream_on_the_buffers_device():
 
 
 def test_on_the_cpu_no_stream_is_read():
-    from vjpkit._torch_device import _on_xla_stream
+    from vjpkit._torch.device import _on_xla_stream
 
     fake = type("FakeTorch", (), {"cuda": FakeCuda()})
     kCPU = 1  # noqa: N806 - DLPack's name for the host

@@ -4,6 +4,8 @@ Expected values are ``jax.grad`` of the same maths written in JAX, or
 torch's own numbers (the original run eagerly).
 """
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from test_from_torch_idioms import TScan  # noqa: E402  (an optional tensor argu
 from torch_functions import TorchExp  # noqa: E402
 
 X = np.array([0.3, -1.2, 2.0], np.float32)
+WAIT_S = 60  # a guard against a deadlock only: the threads wait for each other's events
 
 
 
@@ -151,6 +154,45 @@ def test_traced_forward_sees_requires_grad_as_needs_input_grad():
     Twice.apply(X)
     jax.grad(lambda x: Twice.apply(x).sum())(X)
     assert TSeesRequiresGrad.seen == [False, True]
+
+
+def test_two_threads_tracing_at_once_each_see_their_own_grad_mode():
+    """A forward (run without grad, as torch runs it) and a callable (JAX differentiates it) traced at once:
+    the forward, entered first, reads a saved tensor back while the callable's trace is open, and sees it
+    not requiring grad, as alone; the callable's argument requires grad."""
+    forward_in, callable_in, forward_read = threading.Event(), threading.Event(), threading.Event()
+    seen: dict = {"forward": [], "callable": []}
+
+    class TReadsSaved(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            forward_in.set()
+            callable_in.wait(WAIT_S)
+            seen["forward"].append(ctx.saved_tensors[0].requires_grad)
+            forward_read.set()
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    def doubled(x):
+        forward_in.wait(WAIT_S)
+        callable_in.set()
+        forward_read.wait(WAIT_S)
+        seen["callable"].append(x.requires_grad)
+        return x * 2
+
+    Twice = vjpkit.from_torch(TReadsSaved, mode="trace")
+    twice = vjpkit.from_torch(doubled, mode="trace")
+    threads = [threading.Thread(target=Twice.apply, args=(X,)), threading.Thread(target=twice, args=(X,))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert (forward_in.is_set(), callable_in.is_set(), forward_read.is_set()) == (True, True, True)
+    assert seen == {"forward": [False], "callable": [True]}
 
 
 def test_trace_mode_refuses_a_class_with_a_vmap_rule_and_auto_uses_callbacks():
@@ -360,6 +402,14 @@ def traced_equals_torch(fn, *arrays, **kwargs):
 
 
 NONFINITE = np.array([np.inf, -np.inf, np.nan, 1.5, -0.0], np.float32)
+
+
+def test_the_op_tables_parts_name_no_torch_function_twice():
+    """The table is its parts together: a name in two parts would leave one rule silently unused."""
+    from vjpkit._torch.ops import RULES, arithmetic, shapes  # internal on purpose: the table's own parts
+
+    assert set(arithmetic.RULES) & set(shapes.RULES) == set()
+    assert len(RULES) == len(arithmetic.RULES) + len(shapes.RULES)
 
 
 def test_predicates_see_nan_and_infinity():

@@ -12,10 +12,10 @@ from ._anomaly import detect_anomaly
 from ._caches import clear_caches
 from ._checking import GradcheckError, JacobianMismatch, gradcheck, gradgradcheck
 from ._ctx import FunctionCtx
-from ._from_torch import from_torch
 from ._function import CacheInfo, Function, function
 from ._host import VmapInfo
 from ._once import once_differentiable
+from ._torch import from_torch
 
 try:
     __version__: str = _metadata.version("vjpkit")

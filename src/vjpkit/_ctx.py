@@ -265,6 +265,11 @@ def forwarded(ctx: FunctionCtx, forward_mode: bool = False) -> Forwarded:
     return Forwarded(carried, ctx._vjpkit_non_differentiable, ctx._vjpkit_dirty, ctx._vjpkit_materialize)
 
 
+def in_jvp(ctx: FunctionCtx) -> bool:
+    """Whether ``ctx`` is a ``jvp``'s (its ``saved_tensors`` are then what ``save_for_forward`` saved)."""
+    return ctx._vjpkit_in_jvp
+
+
 def dirty_of(ctx: FunctionCtx) -> tuple:
     """The inputs forward marked dirty (``ctx.mark_dirty``)."""
     return ctx._vjpkit_dirty

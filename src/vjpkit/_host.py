@@ -158,7 +158,7 @@ class _HostFunction:
         vmap_method = "expand_dims" if self.vmap is not None else self.vmap_method
 
         def forward_of_arrays(*arrays: Any) -> Any:
-            out = _pure_callback(call.forward, out_struct, *arrays, vmap_method=vmap_method)
+            out = pure_callback(call.forward, out_struct, *arrays, vmap_method=vmap_method)
             return _sharding.vary_like(out, arrays)  # under shard_map: per-device values
 
         # Only a second derivative differentiates this directly (through the
@@ -195,7 +195,7 @@ class _HostFunction:
         if result_struct:
 
             def backward_of_arrays(*xs: Any) -> list:
-                grads = _pure_callback(call.backward, result_struct, *xs, vmap_method=self.vmap_method)
+                grads = pure_callback(call.backward, result_struct, *xs, vmap_method=self.vmap_method)
                 return _sharding.vary_like(grads, xs)  # under shard_map: per-device values
 
             computed = iter(call_without_derivative(
@@ -260,7 +260,7 @@ class _HostFunction:
 _WIDE = frozenset(np.dtype(t) for t in (np.float64, np.int64, np.uint64, np.complex128))
 
 
-def _pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: str) -> Any:
+def pure_callback(callback: Any, result_struct: Any, *args: Any, vmap_method: str) -> Any:
     """``jax.pure_callback``, with the x64 setting of the trace wherever the callback runs.
 
     Why: XLA may run the callback on a thread of its own, which does not

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax_internals
-from .._from_torch import from_torch
 from .._function import reject_torch_function
+from .._torch import from_torch
 
 __all__ = ["assert_port_matches_original", "port_differences"]
 

@@ -91,7 +91,7 @@ def ffi_api() -> FfiApi:
 
 
 # ---------------------------------------------------------------------------
-# Callbacks on device buffers (``_torch_device.py``).
+# Callbacks on device buffers (``_torch/device.py``).
 
 
 @functools.cache

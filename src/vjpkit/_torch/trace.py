@@ -12,7 +12,7 @@ The original's methods run once per compiled signature on stand-in tensors
 holds a JAX value). Every torch call on them reaches ``__torch_function__``,
 which first runs the call on the meta tensors (so torch decides shapes,
 dtypes, type promotion and defaults) and then computes the values with the
-rule of ``_torch_ops.RULES``. A call without a rule, or code that needs a
+rule of the op table (``ops.RULES``). A call without a rule, or code that needs a
 value (``.item()``, ``if x.any():``, ``.numpy()``), raises ``Untraceable``
 naming it; ``mode="auto"`` then runs that original through host callbacks.
 
@@ -24,7 +24,7 @@ naming it; ``mode="auto"`` then runs that original through host callbacks.
 - A callable becomes a jitted JAX function that JAX differentiates.
 
 Torch's autograd semantics are kept: each stand-in that requires grad
-carries a ``_Node`` (how its value was computed), ``detach``, ``no_grad``
+carries a ``Node`` (how its value was computed), ``detach``, ``no_grad``
 and kin give ``stop_gradient`` values, and ``torch.autograd.grad`` replays
 the recorded nodes as a JAX function and takes its VJP.
 
@@ -33,9 +33,10 @@ immutable). A view remembers the writes of its tensor when it was taken:
 reading it after a later write, or writing into it, would need aliasing
 and raises ``Untraceable``.
 
-This module holds the stand-in and one torch call on it; the calls answered
-without a rule (autograd, devices, value reads) are ``_torch_special``'s, and
-the traced Function, callable and ``"auto"`` choice ``_torch_traced``'s.
+This module holds the dispatching stand-in and one torch call on it, over
+what a stand-in holds (``standin.py``); the calls answered without a rule
+(autograd, devices, value reads) are ``special.py``'s, and the traced
+Function, callable and ``"auto"`` choice ``traced.py``'s.
 """
 
 from __future__ import annotations
@@ -44,18 +45,31 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 from jax import lax
 from torch.overrides import resolve_name
 
-from ._torch_ops import RULES, VIEWS, Untraceable, jax_dtype
-from ._torch_ops_shapes import set_item
+from . import special
+from .dtypes import jax_dtype
+from .ops import RULES, VIEWS, Untraceable, set_item
+from .standin import (
+    Node,
+    StandIn,
+    check_no_nested_function,
+    differentiable,
+    differentiating,
+    is_tensor,
+    map_tensors,
+    read,
+    set_requires_grad,
+    to_jax,
+    to_meta,
+)
 
-__all__ = ["TracedTensor", "Untraceable", "meta_of", "stand_in"]
+__all__ = ["TracedTensor", "dispatch", "make", "stand_in", "stand_ins"]
 
 # Tensor members that read metadata only: answered by the meta tensor underneath.
-_METADATA = {f"torch.Tensor.{name}" for name in (
+METADATA = {f"torch.Tensor.{name}" for name in (
     "shape.__get__", "dtype.__get__", "ndim.__get__", "layout.__get__", "names.__get__", "is_sparse.__get__",
     "is_quantized.__get__", "is_nested.__get__", "size", "dim", "numel", "nelement", "__len__", "is_floating_point",
     "is_complex", "is_signed", "element_size", "stride", "is_contiguous", "__hash__", "ndimension",
@@ -63,46 +77,12 @@ _METADATA = {f"torch.Tensor.{name}" for name in (
 )} | {f"torch.{name}" for name in ("is_floating_point", "is_complex", "numel", "is_signed", "is_inference")}
 
 
-# Calls answered without a rule (autograd, devices, value reads): filled by ``_torch_special``.
-_SPECIAL: dict[str, Callable] = {}
-
-
-class _Node:
-    """A tensor that requires grad, as torch's autograd sees it: its value, and how to compute it again.
-
-    ``fn`` computes the value from the ``parents``' values (``None`` for a leaf).
-    ``torch.autograd.grad`` replays the nodes between its inputs and outputs as
-    one JAX function and takes its VJP (``_autograd_grad``).
-    """
-
-    __slots__ = ("fn", "parents", "value", "name")
-
-    def __init__(self, fn: Callable | None, parents: tuple, value: Any, name: str = ""):
-        self.fn, self.parents, self.value, self.name = fn, parents, value, name
-
-
-class TracedTensor(torch.Tensor):
-    """A stand-in torch tensor: torch's metadata from a meta tensor, its value a JAX array (or tracer)."""
-
-    _stored: Any  # the JAX value (read it with ``_read``, which checks a view is still current)
-    _meta: torch.Tensor  # a plain meta tensor of the same shape and dtype, for torch's own checks
-    _node: _Node | None  # torch's autograd: None where the tensor does not require grad
-    _view_of: TracedTensor | None  # a view's tensor: the one whose storage it shares in torch
-    _seen: int  # a view's: its base's in-place writes when the view was taken
-    _writes: int  # in-place writes into this tensor
-    _view_op: str  # a view's: the operation that took it
-    _last_write: str  # the operation that last wrote into this tensor in place
+class TracedTensor(StandIn):
+    """A stand-in torch tensor: every torch call on it reaches ``dispatch``."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _dispatch(func, args, kwargs or {})
-
-
-_state = {"grad": False}  # whether JAX differentiates the running method (backward, jvp, a callable)
-
-
-def _differentiable(dtype: Any) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
+        return dispatch(func, args, kwargs or {})
 
 
 def stand_in(value: Any, meta: torch.Tensor, requires_grad: bool = False) -> TracedTensor:
@@ -111,11 +91,11 @@ def stand_in(value: Any, meta: torch.Tensor, requires_grad: bool = False) -> Tra
     A leaf that requires grad where asked, or wherever JAX differentiates the method, for
     floating dtypes (torch's rule for a method's arguments).
     """
-    grad = (requires_grad or _state["grad"]) and _differentiable(meta.dtype)
-    return _make(value, meta, _Node(None, (), value) if grad else None)
+    grad = (requires_grad or differentiating()) and differentiable(meta.dtype)
+    return make(value, meta, Node(None, (), value) if grad else None)
 
 
-def _make(value: Any, meta: torch.Tensor, node: _Node | None) -> TracedTensor:
+def make(value: Any, meta: torch.Tensor, node: Node | None) -> TracedTensor:
     t = torch.Tensor._make_subclass(TracedTensor, meta, node is not None)
     t._stored, t._meta, t._node, t._view_of = value, meta, node, None
     t._seen = t._writes = 0
@@ -123,43 +103,19 @@ def _make(value: Any, meta: torch.Tensor, node: _Node | None) -> TracedTensor:
     return t
 
 
-def _read(t: TracedTensor) -> Any:
-    """``t``'s value. A view read after its base was written in place would show the write in torch."""
-    base = t._view_of
-    if base is not None and base._writes != t._seen:
-        raise Untraceable(base._last_write, f"writes into a tensor that a view was taken from (by {t._view_op}), "
-                          "and the view is read afterwards: in torch the two share memory, JAX values do not "
-                          "(clone the view, or take it after the write)")
-    return t._stored
-
-
-def _set_requires_grad(t: TracedTensor, node: _Node | None) -> None:
-    t._node = node
-    with torch._C.DisableTorchFunctionSubclass():
-        torch.Tensor.requires_grad_(t, node is not None)
-
-
-def torch_dtype(dtype: Any) -> Any:
-    name = np.dtype(dtype).name
-    return {"bool": torch.bool, "bfloat16": torch.bfloat16}.get(name) or getattr(torch, name)
-
-
-def meta_of(value: Any, dtype: Any = None) -> torch.Tensor:
-    return torch.empty(tuple(value.shape), dtype=dtype or torch_dtype(value.dtype), device="meta")
-
-
 # ---------------------------------------------------------------------------
 # One torch call on stand-ins.
 
 
-def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    name = _name(func)
-    if name in _METADATA:
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """One torch call on stand-ins: metadata from the meta tensors, a call answered without a rule, or a rule."""
+    name = torch_name(func)
+    if name in METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    if name in _SPECIAL:
-        return _SPECIAL[name](*args, **kwargs)
-    _check_no_nested_function(name, args)
+    if name in SPECIAL:
+        return SPECIAL[name](*args, **kwargs)
+    check_no_nested_function(name, args)
     if name == "torch.Tensor.__setitem__" or (name.endswith("_") and not name.endswith("__")):
         return _in_place(name, func, args, kwargs)
     rule = RULES.get(name)
@@ -169,7 +125,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if kwargs["out"] is not None:
             raise Untraceable(name, "writes its result into out=, which trace mode does not model (assign the result)")
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-    metas, meta_kwargs = _tree(_to_meta, args), _tree(_to_meta, kwargs)
+    metas, meta_kwargs = map_tensors(to_meta, args), map_tensors(to_meta, kwargs)
     try:
         out = func(*metas, **meta_kwargs)  # torch's shapes, dtypes and errors
     except NotImplementedError as e:
@@ -181,16 +137,16 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         a, k = _filled(template, values)
         return rule(out, *a, **k, **extra)
 
-    result = _results(name, out, compute, operands)
+    result = stand_ins(name, out, compute, operands)
     if name in VIEWS and not (name.endswith("__getitem__") and _advanced_index(args[1])):
         root = args[0]._view_of if args[0]._view_of is not None else args[0]
-        for t in jax.tree_util.tree_leaves(result, is_leaf=_is_tensor):
+        for t in jax.tree_util.tree_leaves(result, is_leaf=is_tensor):
             if isinstance(t, TracedTensor):
                 t._view_of, t._seen, t._view_op = root, root._writes, name
     return result
 
 
-def _name(func: Any) -> str:
+def torch_name(func: Any) -> str:
     """``torch.overrides.resolve_name``'s name; a Python function it does not know by module and name."""
     name = resolve_name(func)
     if name is None:
@@ -224,23 +180,23 @@ def _operands(tree: Any) -> tuple[list, Any]:
         if isinstance(x, TracedTensor):
             operands.append(x)
             return _Slot(len(operands) - 1)
-        return _to_jax(x)
+        return to_jax(x)
 
-    return operands, _tree(slot, tree)
+    return operands, map_tensors(slot, tree)
 
 
 def _filled(template: Any, values: list) -> Any:
-    return _tree(lambda x: values[x.k] if isinstance(x, _Slot) else x, template)
+    return map_tensors(lambda x: values[x.k] if isinstance(x, _Slot) else x, template)
 
 
-def _results(name: str, out: Any, compute: Callable[[list], Any], operands: list) -> Any:
+def stand_ins(name: str, out: Any, compute: Callable[[list], Any], operands: list) -> Any:
     """``compute``'s values as stand-ins shaped as torch's ``out``, each with its autograd node.
 
     An output requires grad, as in torch, where grad mode is on and an operand requires grad.
     Where JAX differentiates the method, an output that does not is a ``stop_gradient``
     (``detach``, ``no_grad``): torch passes no gradient through it.
     """
-    values = [_read(t) for t in operands]
+    values = [read(t) for t in operands]
     try:
         value = compute(values)
     except Untraceable:
@@ -250,8 +206,8 @@ def _results(name: str, out: Any, compute: Callable[[list], Any], operands: list
                           "please report it (mode='callback' or 'auto' runs the original meanwhile)") from e
     tracked = [k for k, t in enumerate(operands) if t._node is not None] if torch.is_grad_enabled() else []
 
-    def node_for(path: tuple, meta: torch.Tensor, value: Any) -> _Node | None:
-        if not tracked or not _differentiable(meta.dtype):
+    def node_for(path: tuple, meta: torch.Tensor, value: Any) -> Node | None:
+        if not tracked or not differentiable(meta.dtype):
             return None
 
         def fn(*parent_values: Any) -> Any:
@@ -260,7 +216,7 @@ def _results(name: str, out: Any, compute: Callable[[list], Any], operands: list
                 again[k] = v
             return _cast_checked(name, _at(compute(again), path), meta)
 
-        return _Node(fn, tuple(operands[k]._node for k in tracked), value, name)
+        return Node(fn, tuple(operands[k]._node for k in tracked), value, name)
 
     return _wrap_like(name, out, value, node_for)
 
@@ -288,9 +244,9 @@ def _wrap_like(name: str, out: Any, value: Any, node_for: Callable, path: tuple 
     if isinstance(out, torch.Tensor):
         value = _cast_checked(name, value, out)
         node = node_for(path, out, value)
-        if node is None and _state["grad"] and _differentiable(out.dtype):
+        if node is None and differentiating() and differentiable(out.dtype):
             value = lax.stop_gradient(value)
-        return _make(value, out, node)
+        return make(value, out, node)
     if isinstance(out, (tuple, list)):
         items = [_wrap_like(name, o, v, node_for, (*path, i))
                  for i, (o, v) in enumerate(zip(out, value, strict=True))]
@@ -315,7 +271,7 @@ def _in_place(name: str, func: Any, args: tuple, kwargs: dict) -> Any:
         base = name.removesuffix("_")
         if base not in _FILLS and base not in RULES:
             raise Untraceable(name)
-        metas, meta_kwargs = _tree(_to_meta, args), _tree(_to_meta, kwargs)
+        metas, meta_kwargs = map_tensors(to_meta, args), map_tensors(to_meta, kwargs)
         func(metas[0].clone(), *metas[1:], **meta_kwargs)  # torch's checks: broadcasting, casting
         if base in _FILLS:
             def compute(values: list) -> Any:
@@ -340,7 +296,7 @@ def _in_place(name: str, func: Any, args: tuple, kwargs: dict) -> Any:
                 a, k = _filled(template, values)
                 return rule(rule_out, *a, **k)
     operands, template = _operands((args, kwargs))
-    values = [_read(t) for t in operands]
+    values = [read(t) for t in operands]
     shape, dtype = tuple(meta.shape), jax_dtype(meta.dtype)
 
     def new_value(values: list) -> Any:
@@ -350,31 +306,31 @@ def _in_place(name: str, func: Any, args: tuple, kwargs: dict) -> Any:
         value = new_value(values)
     except Untraceable:
         raise
-    except Exception as e:  # noqa: BLE001 - as in _results
+    except Exception as e:  # noqa: BLE001 - as in stand_ins
         raise Untraceable(name, f"failed in vjpkit's rule for it ({type(e).__name__}: {str(e)[:200]}); "
                           "please report it (mode='callback' or 'auto' runs the original meanwhile)") from e
     grad_on = torch.is_grad_enabled()
     tracked = [k for k, t in enumerate(operands) if t._node is not None] if grad_on else []
     old = target._node
-    node: _Node | None = None
-    if tracked and _differentiable(meta.dtype):
+    node: Node | None = None
+    if tracked and differentiable(meta.dtype):
         def fn(*parent_values: Any) -> Any:
             again = list(values)
             for k, v in zip(tracked, parent_values, strict=True):
                 again[k] = v
             return new_value(again)
 
-        node = _Node(fn, tuple(operands[k]._node for k in tracked), value, name)
+        node = Node(fn, tuple(operands[k]._node for k in tracked), value, name)
     elif old is not None:
         # Written under no_grad, it still requires grad, and gradients pass the write as the identity.
         delta = lax.stop_gradient(value - values[0])
         value = values[0] + delta
-        node = _Node(None, (), value, name) if old.fn is None else _Node(lambda p: p + delta, (old,), value, name)
-    elif _state["grad"] and _differentiable(meta.dtype):
+        node = Node(None, (), value, name) if old.fn is None else Node(lambda p: p + delta, (old,), value, name)
+    elif differentiating() and differentiable(meta.dtype):
         value = lax.stop_gradient(value)
     target._stored, target._meta = value, meta
     if (node is None) != (old is None):
-        _set_requires_grad(target, node)
+        set_requires_grad(target, node)
     target._node = node
     target._writes += 1
     target._last_write = name
@@ -388,73 +344,6 @@ _FILLS: dict[str, Callable] = {
 }
 
 
-def _check_no_nested_function(name: str, args: tuple) -> None:
-    """A ``torch.autograd.Function``'s ``apply`` inside a traced method runs in torch's C++, out of reach.
-
-    Under grad mode (backward, a callable) its outputs carry its autograd node,
-    and JAX would differentiate its forward's operations instead of running
-    its backward; outputs that are plain meta tensors have no value. Both
-    name the Function. (In a traced forward, which runs without grad as in
-    torch, a nested Function's forward runs inline: its backward is never used.)
-    """
-    if not _state["grad"]:
-        return
-    for arg in jax.tree_util.tree_leaves(args, is_leaf=_is_tensor):
-        if not isinstance(arg, torch.Tensor):
-            continue
-        with torch._C.DisableTorchFunctionSubclass():
-            node = arg.grad_fn
-        if node is not None or (arg.is_meta and not isinstance(arg, TracedTensor)):
-            inner = getattr(type(node), "_forward_cls", None)
-            what = f"{inner.__name__}.apply" if inner is not None else "a tensor with no traced value"
-            raise Untraceable(what, "(a torch.autograd.Function called inside the original) runs in torch's "
-                              f"C++ autograd, out of the trace's reach; its output reached {name}")
-
-
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-def _tree(fn: Callable, tree: Any) -> Any:
-    """``fn`` on every tensor in nested tuples, lists and dicts (``torch.cat([a, b])``, index tuples)."""
-    if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
-        return type(tree)(_tree(fn, x) for x in tree) if type(tree) in (tuple, list) else tuple(
-            _tree(fn, x) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _tree(fn, v) for k, v in tree.items()}
-    if isinstance(tree, slice):
-        return slice(*(_tree(fn, x) for x in (tree.start, tree.stop, tree.step)))
-    return fn(tree)
-
-
-def _to_meta(x: Any) -> Any:
-    if isinstance(x, TracedTensor):
-        return x._meta
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("meta")
-    return x
-
-
-def _to_jax(x: Any) -> Any:
-    if isinstance(x, TracedTensor):
-        _check_no_nested_function("the original's result", (x,))
-        return _read(x)
-    if isinstance(x, torch.Tensor):  # a constant made by torch while tracing (torch.arange, torch.tensor)
-        return _constant(x)
-    return x
-
-
-def _constant(t: torch.Tensor) -> Any:
-    if t.is_meta:
-        _check_no_nested_function("the original's result", (t,))
-        raise Untraceable("a meta tensor", "has no value")
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return jnp.asarray(t.float().numpy(), jnp.bfloat16)
-    return jnp.asarray(t.numpy(), jax_dtype(t.dtype))
-
-
-# The calls answered without a rule (autograd, devices, repr) register into _SPECIAL from their own module.
-from . import _torch_special  # noqa: E402,F401
+# The calls answered without a rule (autograd, devices, casts, value reads): ``special``'s, given how this
+# module makes a stand-in and one call's stand-in results.
+SPECIAL: dict[str, Callable] = special.calls(make, stand_ins)

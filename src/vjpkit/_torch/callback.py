@@ -1,4 +1,4 @@
-"""``from_torch``: an unported PyTorch Function (or any torch callable) run inside JAX.
+"""``from_torch``'s callback mode: an unported PyTorch Function (or any torch callable) run inside JAX by callbacks.
 
 For example:
 
@@ -17,7 +17,7 @@ soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1))
 ```
 
 The original runs in a callback on tensors sharing the arrays' memory by
-DLPack: XLA's buffers on their device (``_torch_device.py``), or host arrays
+DLPack: XLA's buffers on their device (``device.py``), or host arrays
 (``jax.pure_callback``) on a JAX without ``buffer_callback``. The result
 is a generated vjpkit Function whose forward calls torch, so static
 arguments, keyword arguments, the compile cache and the checks are
@@ -49,153 +49,32 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from . import _caches, _sharding
-from ._ctx import FunctionCtx
-from ._function import Function
-from ._once import call_without_derivative, once_differentiable
-from ._outputs import is_differentiable_dtype
-from ._torch_device import as_output, keeps_tensors, torch_callback
-from ._torch_original import Origin, leaf_names, named_tuples, packing_extra_keywords
-from ._torch_shapes import FIXED_SHAPES, infer_outputs
-from ._tree import Partition, is_array, partition
+from .. import _caches, _sharding
+from .._ctx import FunctionCtx
+from .._function import Function
+from .._once import call_without_derivative, once_differentiable
+from .._outputs import is_differentiable_dtype
+from .._tree import Partition, is_array, partition
+from .device import as_output, keeps_tensors, torch_callback
+from .dtypes import jax_dtype, numpy_dtype
+from .origin import Origin, leaf_names, named_tuples, packing_extra_keywords
+from .shapes import FIXED_SHAPES, infer_outputs
 
-__all__ = ["from_torch"]
-
-
-def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, mode: str = "callback") -> Any:
-    """Wraps a ``torch.autograd.Function`` subclass, or a torch callable, as a JAX function.
-
-    Args:
-        obj: a ``torch.autograd.Function`` subclass (the result has ``.apply``
-            taking the same arguments, and is callable), or any callable of
-            tensors (the result is a function of the same arguments).
-        copy_inputs: give torch copies of the arrays instead of zero-copy
-            views. Needed when the original writes into its inputs or its
-            gradients in place (``x.add_(1)`` with ``ctx.mark_dirty(x)``,
-            ``grad_output[mask] = 0``): a view would write into JAX's buffer.
-        reentrant: compute gradients with ``torch.autograd.backward(outputs,
-            cotangents)`` (no ``inputs``) instead of ``torch.autograd.grad``.
-            Needed when the original's backward refuses ``torch.autograd.grad``
-            (PyTorch's reentrant checkpoint and its copies). Then every leaf
-            the original reaches accumulates ``.grad``, as under ``.backward()``
-            in PyTorch; from_torch reads its own leaves' and clears them.
-        mode: ``"callback"`` runs the original in a callback on every call;
-            ``"trace"`` runs its torch operations as JAX operations, compiled
-            with the rest of the program (an operation with no JAX rule, or
-            code that reads a value, raises ``NotImplementedError`` naming
-            it); ``"auto"`` traces where the original traces on a call's
-            signature, and uses callbacks on any failure to trace; its
-            result's ``.mode`` says which the latest call ran (``"trace"``
-            or ``"callback"``) and ``.mode_for(*args)`` which a call runs.
-
-    Returns:
-        A vjpkit Function class (for a Function subclass) or its ``apply``.
-
-    The key differences to porting the class are: it runs PyTorch eager
-    on every call (a callback per call, forward run again to
-    differentiate), it cannot be fused or sharded by XLA, and forward mode
-    needs the original's ``jvp`` (or torch's forward AD, for a callable).
-    """
-    if mode not in _MODES:
-        raise ValueError(f"vjpkit.from_torch: mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}.")
-    torch = _import_torch()
-    if getattr(obj, "_vjpkit_from_torch", False):
-        name = getattr(obj, "__name__", type(obj).__name__)
-        raise TypeError(
-            f"vjpkit.from_torch({name}): {name} is already what vjpkit.from_torch made, a function of JAX "
-            "arrays; pass the original itself, with every option at once: "
-            "vjpkit.from_torch(original, mode=..., reentrant=..., copy_inputs=...)."
-        )
-    is_class = isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
-    if not is_class and isinstance(obj, type) and issubclass(obj, Function):
-        raise TypeError(
-            f"vjpkit.from_torch({obj.__name__}): {obj.__name__} is already a vjpkit Function; "
-            f"call {obj.__name__}.apply directly."
-        )
-    if not is_class and not callable(obj):
-        raise TypeError(
-            f"vjpkit.from_torch expects a torch.autograd.Function subclass or a callable of "
-            f"tensors, got {type(obj).__name__}."
-        )
-    callbacks = functools.partial(_from_function_class if is_class else _from_callable, torch, obj, copy_inputs,
-                                  reentrant)
-    if mode == "callback":
-        return callbacks()
-    from . import _torch_traced
-
-    return _torch_traced.traced(obj, mode, callbacks)
-
-
-_MODES = ("callback", "trace", "auto")
-
-
-def _import_torch() -> Any:
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - torch is installed where this is tested
-        raise ImportError(
-            "vjpkit.from_torch needs PyTorch: pip install torch (the CPU wheel is enough)."
-        ) from e
-    return torch
+__all__ = ["wrap"]
 
 
 # ---------------------------------------------------------------------------
-# The two fronts: a Function class and a callable.
+# The front: a Function class for a class, a function for a callable.
 
 
-def _from_function_class(torch: Any, cls: Any, copy_inputs: bool, reentrant: bool) -> Any:
-    base = torch.autograd.Function
-    name = cls.__name__
-    new_style = defines(cls, base, "setup_context")
-    params = list(inspect.signature(cls.forward).parameters.values())
-    if not new_style:
-        params = params[1:]  # forward(ctx, ...)
-    backward = cls.backward if defines(cls, base, "backward") else None
-    grad_names: tuple = ()
-    if backward is not None:
-        try:
-            grad_params = list(inspect.signature(backward).parameters.values())[1:]  # backward(ctx, ...)
-        except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
-            grad_params = []
-        if not any(p.kind is p.VAR_POSITIONAL for p in grad_params):
-            grad_names = tuple(p.name for p in grad_params)
-    origin = Origin(
-        torch=torch,
-        name=name,
-        call=cls.apply,
-        forward_name=f"{name}.forward",
-        backward_name=f"{name}.backward",
-        params=params,
-        copy_inputs=copy_inputs,
-        reentrant=reentrant,
-        # torch.func.vmap runs the class's own batching rule; it needs setup_context.
-        batching_rule=new_style and (defines(cls, base, "vmap") or bool(getattr(cls, "generate_vmap_rule", False))),
-        has_jvp=defines(cls, base, "jvp"),
-        once=backward is not None and is_torch_once_differentiable(backward),
-        grad_names=grad_names,
-    )
-    return _level_zero_class(origin, differentiable=backward is not None, doc=cls.__doc__)
-
-
-def _from_callable(torch: Any, fn: Callable, copy_inputs: bool, reentrant: bool) -> Callable:
-    name = getattr(fn, "__name__", type(fn).__name__).replace("<lambda>", "lambda")
-    origin = Origin(
-        torch=torch,
-        name=name,
-        call=fn,
-        forward_name=name,
-        backward_name=f"{name} (torch autograd)",
-        params=list(inspect.signature(fn).parameters.values()),
-        copy_inputs=copy_inputs,
-        reentrant=reentrant,
-        batching_rule=False,
-        has_jvp=True,  # torch's own forward derivatives of its operations
-        once=False,
-    )
-    cls: Any = _level_zero_class(origin, differentiable=True, doc=fn.__doc__)
+def wrap(origin: Origin) -> Any:
+    """``from_torch(original)`` in callback mode: a vjpkit Function class, or for a callable its ``apply``."""
+    cls: Any = _level_zero_class(origin)
+    if origin.is_class:
+        return cls
     apply = cls.apply
 
-    @functools.wraps(fn)
+    @functools.wraps(origin.original)
     def call(*args: Any, **kwargs: Any) -> Any:
         return apply(*args, **kwargs)
 
@@ -204,22 +83,11 @@ def _from_callable(torch: Any, fn: Callable, copy_inputs: bool, reentrant: bool)
     return call
 
 
-def defines(cls: type, base: type, method: str) -> bool:
-    return getattr(cls, method, None) is not getattr(base, method, None)
-
-
-def is_torch_once_differentiable(backward: Any) -> bool:
-    """torch.autograd.function.once_differentiable leaves no marker but its wrapper's code."""
-    code = getattr(backward, "__code__", None)
-    return (code is not None and hasattr(backward, "__wrapped__")
-            and code.co_filename.replace("\\", "/").endswith("torch/autograd/function.py"))
-
-
 # ---------------------------------------------------------------------------
 # Level 0: a vjpkit Function whose forward calls the original.
 
 
-def _level_zero_class(origin: Origin, *, differentiable: bool, doc: str | None) -> Any:
+def _level_zero_class(origin: Origin) -> Any:
     # Per static part and (shape, dtype) of each array: torch's output kinds depend on nothing else
     # (the dtypes are JAX's canonical ones, so x64 is in them).
     programs: dict[Any, _Program] = _caches.table()
@@ -268,13 +136,13 @@ def _level_zero_class(origin: Origin, *, differentiable: bool, doc: str | None) 
         dynamic = [leaves[i] for i in program.layout.dynamic]
         return program.out_layout.combine(program.jvp(ctx.saved_tensors, dynamic), keep_static=False)
 
-    namespace: dict[str, Any] = {"__doc__": doc, "__module__": __name__, "forward": staticmethod(forward),
+    namespace: dict[str, Any] = {"__doc__": origin.doc, "__module__": __name__, "forward": staticmethod(forward),
                                  "_vjpkit_from_torch": True}
     forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_ONLY), *origin.forward_params]
     )
     forward.__name__ = forward.__qualname__ = f"{origin.name}.forward"
-    if differentiable:
+    if origin.differentiable:
         namespace["backward"] = staticmethod(once_differentiable(backward) if origin.once else backward)
     if origin.has_jvp:
         namespace["jvp"] = staticmethod(jvp)
@@ -467,8 +335,8 @@ class _Program:
         if needs_grad:
             tensors = [t.requires_grad_(True) if w else t for t, w in zip(tensors, wanted, strict=True)]
         with torch.enable_grad() if needs_grad else torch.no_grad():
-            outs = self._guarded(self.run, tensors, False)
-        self._check_unchanged(views, versions)
+            outs = self.guarded(self.run, tensors, False)
+        self.check_unchanged(views, versions)
         return self._to_numpy(outs)
 
     def _host_batched(self, xs: Sequence[Any], batch: tuple) -> list:
@@ -489,7 +357,7 @@ class _Program:
             return tuple(self.run(list(ts), False))
 
         with torch.no_grad():
-            outs = self._guarded(lambda ts, _: list(torch.func.vmap(unbatched, in_dims=tuple(dims))(*ts)),
+            outs = self.guarded(lambda ts, _: list(torch.func.vmap(unbatched, in_dims=tuple(dims))(*ts)),
                                  tensors, False)
         batched = [((size, *shape), dtype) for shape, dtype in self.out_kinds]
         return [a.reshape(batch + shape) for a, (shape, _) in
@@ -512,7 +380,7 @@ class _Program:
             warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
             duals = [fwad.make_dual(p, next(given)) if has else p for p, has in zip(primals, present, strict=True)]
             with torch.enable_grad():
-                outs = self._guarded(self.run, duals, False)
+                outs = self.guarded(self.run, duals, False)
             tangents = [
                 None if o is None else fwad.unpack_dual(o).tangent
                 for o, d in zip(outs, self.differentiable_out, strict=True) if d
@@ -520,7 +388,8 @@ class _Program:
         kinds = [k for k, d in zip(self.out_kinds, self.differentiable_out, strict=True) if d]
         return self._to_numpy(tangents, kinds)
 
-    def _guarded(self, run: Callable, tensors: list, create_graph: bool) -> list:
+    def guarded(self, run: Callable, tensors: list, create_graph: bool) -> list:
+        """``run(tensors, create_graph)``; torch's error names the method and that from_torch ran it."""
         try:
             return run(tensors, create_graph)
         except Exception as e:
@@ -536,7 +405,8 @@ class _Program:
         return (f"\n{self.origin.name} needs a full .backward() (a reentrant backward, as in PyTorch's "
                 f"checkpoint): pass reentrant=True to vjpkit.from_torch.")
 
-    def _check_unchanged(self, views: list, versions: list) -> None:
+    def check_unchanged(self, views: list, versions: list) -> None:
+        """Refuses an original that wrote into its inputs in place (JAX's buffers, unless it got copies)."""
         for name, t, v in zip(self.in_names, views, versions, strict=True):
             if t._version != v:
                 raise RuntimeError(
@@ -550,7 +420,7 @@ class _Program:
         for k, (o, (shape, _)) in enumerate(zip(outs, kinds, strict=True)):
             if o is not None and tuple(o.shape) != shape:
                 raise ValueError(self._shape_changed(k, tuple(o.shape), shape))
-        if keeps_tensors():  # written into XLA's output buffers, on the device (_torch_device.py)
+        if keeps_tensors():  # written into XLA's output buffers, on the device (device.py)
             return [as_output(o) for o in outs]
         return [_numpy_of(self.origin.torch, o, shape, dtype) for o, (shape, dtype) in zip(outs, kinds, strict=True)]
 
@@ -610,23 +480,14 @@ def _numpy_of(torch: Any, t: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
     if t.device.type != "cpu":
         t = t.cpu()
     if t.dtype == torch.bfloat16:  # NumPy's DLPack has no bfloat16: cross as its bits
-        a = np.from_dlpack(t.contiguous().view(torch.int16)).view(_numpy_dtype(t.dtype))
+        a = np.from_dlpack(t.contiguous().view(torch.int16)).view(numpy_dtype(t.dtype))
     else:
         a = np.from_dlpack(t)
     return a if a.dtype == dtype else a.astype(dtype)
 
 
 def _torch_kind(t: Any) -> tuple:
-    return tuple(t.shape), np.dtype(jax.dtypes.canonicalize_dtype(_numpy_dtype(t.dtype)))
-
-
-def _numpy_dtype(torch_dtype: Any) -> np.dtype:
-    name = str(torch_dtype).removeprefix("torch.")
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype({"bool": "bool_", "complex64": "complex64", "complex128": "complex128"}.get(name, name))
+    return tuple(t.shape), jax_dtype(t.dtype)
 
 
 def _conj(t: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The table behind ``from_torch(..., mode="trace")``: torch functions and methods as JAX operations.
+"""Trace mode's op table, its arithmetic part: torch functions and methods as JAX operations.
 
 Each rule computes one torch operation with ``jax.numpy``/``lax`` on JAX
 values. Shapes and dtypes are not worked out here: the tracer runs the same
@@ -13,9 +13,9 @@ Rules are keyed by ``torch.overrides.resolve_name`` of the function
 (``"torch.sigmoid"``, ``"torch.Tensor.sigmoid"``, ``"torch.nn.functional.softplus"``);
 their parameters carry torch's names, so keyword calls bind as in torch.
 
-This module holds the table, the elementwise, reduction and linear algebra
-rules; the shape, view, indexing and sorting rules register into the same
-table from ``_torch_ops_shapes`` (imported by the tracer, ``_torch_trace``).
+This part holds the elementwise, reduction and linear algebra rules; the
+shape, view, indexing and sorting rules are ``shapes.py``'s, and the table
+(``__init__.py``) is the two parts together.
 """
 
 from __future__ import annotations
@@ -25,82 +25,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-__all__ = ["RULES", "VIEWS", "Untraceable", "jax_dtype"]
+from ..dtypes import jax_dtype
+from .base import Table, Untraceable, axes, cast, on_vector, size_tuple
+
+__all__ = ["RULES", "VIEWS"]
 
 
-class Untraceable(NotImplementedError):
-    """A torch operation with no JAX counterpart here, or one that needs values (``.item()``)."""
-
-    def __init__(self, op: str, why: str = "has no JAX rule in vjpkit's trace mode", where: str = ""):
-        super().__init__(op, why, where)
-        self.op, self.why, self.where = op, why, where
-        self.line = ""  # the original's source line that made the call, where known
-
-    def __str__(self) -> str:
-        line = f" (at {self.line})" if self.line else ""
-        return f"{self.where + ' calls ' if self.where else ''}{self.op}, which {self.why}{line}"
-
-
-def jax_dtype(torch_dtype: Any) -> np.dtype:
-    """The JAX dtype of a torch dtype, canonical (float64 is float32 without ``jax_enable_x64``)."""
-    name = str(torch_dtype).removeprefix("torch.")
-    if name == "bfloat16":
-        return jnp.dtype(jnp.bfloat16)
-    return jax.dtypes.canonicalize_dtype(np.dtype({"bool": "bool_"}.get(name, name)))
-
-
-RULES: dict[str, Callable] = {}
-# Operations whose result shares storage with an argument in torch: an in-place
-# write into one of them (or into a tensor one of them was taken from) would
-# need aliasing, which JAX values have not got.
-VIEWS: set[str] = set()
-
-
-def _rule(*names: str, view: bool = False, method: bool = True, function: bool = True,
-          functional: bool = False) -> Callable:
-    """Registers a rule under ``torch.NAME`` and ``torch.Tensor.NAME`` (and ``torch.nn.functional.NAME``)."""
-
-    def register(rule: Callable) -> Callable:
-        for name in names:
-            keys = ([f"torch.{name}"] if function else []) + ([f"torch.Tensor.{name}"] if method else [])
-            keys += [f"torch.nn.functional.{name}"] if functional else []
-            for key in keys:
-                RULES[key] = rule
-                if view:
-                    VIEWS.add(key)
-        return rule
-
-    return register
-
-
-def _in(out: Any, *xs: Any) -> list:
-    """Array operands cast to torch's result dtype; Python scalars stay weakly typed, as torch's do."""
-    dtype = jax_dtype(out.dtype)
-    return [x.astype(dtype) if isinstance(x, jax.Array) and x.dtype != dtype else x for x in xs]
-
-
-def _dims(dim: Any, ndim: int) -> tuple[int, ...] | None:
-    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
-        return None
-    if ndim == 0:  # torch accepts dim 0 and -1 of a 0-d tensor: nothing to reduce
-        return ()
-    return tuple(d % ndim for d in (dim if isinstance(dim, (tuple, list)) else (dim,)))
-
-
-def _on_vector(fn: Callable, x: Any, dim: int, *more: Any) -> Any:
-    """``fn(x, dim, *more)``; a 0-d ``x`` (and ``more``) as 1-d along dim 0, as torch treats it."""
-    if jnp.ndim(x) > 0:
-        return fn(x, dim, *more)
-    result = fn(jnp.reshape(x, (1,)), 0, *(jnp.reshape(m, (1,)) if jnp.ndim(m) == 0 else m for m in more))
-    return jax.tree_util.tree_map(lambda r: jnp.reshape(r, ()) if jnp.ndim(r) == 1 else r, result)
-
-
-def _sizes(size: tuple) -> tuple:
-    """``f(2, 3)`` and ``f((2, 3))`` alike."""
-    return tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else tuple(size)
+TABLE = Table()
+RULES, VIEWS = TABLE.rules, TABLE.views
 
 
 # ---------------------------------------------------------------------------
@@ -109,9 +43,9 @@ def _sizes(size: tuple) -> tuple:
 
 def _elementwise(names: str, fn: Callable, functional: bool = False) -> None:
     def rule(out: Any, *args: Any, **kwargs: Any) -> Any:
-        return fn(*_in(out, *args), **kwargs)
+        return fn(*cast(out, *args), **kwargs)
 
-    _rule(*names.split(), functional=functional)(rule)
+    TABLE.rule(*names.split(), functional=functional)(rule)
 
 
 _ARITHMETIC: dict[str, Callable[..., Any]] = {
@@ -146,7 +80,7 @@ for _names, _fn in _ARITHMETIC.items():
 
 def _predicate(names: str, fn: Callable) -> None:
     """``isnan`` and kin: on the input's own dtype (a cast to the bool result first would lose NaN)."""
-    _rule(*names.split())(lambda out, input: fn(input))
+    TABLE.rule(*names.split())(lambda out, input: fn(input))
 
 
 for _names, _fn in {"isnan": jnp.isnan, "isinf": jnp.isinf, "isfinite": jnp.isfinite,
@@ -155,9 +89,9 @@ for _names, _fn in {"isnan": jnp.isnan, "isinf": jnp.isinf, "isfinite": jnp.isfi
     _predicate(_names, _fn)
 
 
-@_rule("sign", "sgn")
+@TABLE.rule("sign", "sgn")
 def _sign(out: Any, input: Any) -> Any:
-    (x,) = _in(out, input)
+    (x,) = cast(out, input)
     if x.dtype == jnp.bool_:
         return x
     if jnp.issubdtype(x.dtype, jnp.floating):
@@ -233,30 +167,30 @@ def _clamp_values(x: Any, low: Any, high: Any) -> Any:
     return jnp.where(inside, x, bounded)
 
 
-@_rule("clamp", "clip")
+@TABLE.rule("clamp", "clip")
 def _clamp(out: Any, input: Any, min: Any = None, max: Any = None) -> Any:
-    x, low, high = _in(out, input, min, max)
+    x, low, high = cast(out, input, min, max)
     return _clamp_values(x, low, high)
 
 
-@_rule("clamp_min")
+@TABLE.rule("clamp_min")
 def _clamp_min(out: Any, input: Any, min: Any) -> Any:
     return _clamp(out, input, min=min)
 
 
-@_rule("clamp_max")
+@TABLE.rule("clamp_max")
 def _clamp_max(out: Any, input: Any, max: Any) -> Any:
     return _clamp(out, input, max=max)
 
 
-@_rule("round")
+@TABLE.rule("round")
 def _round(out: Any, input: Any, *, decimals: int = 0) -> Any:
     return jnp.round(input, decimals)  # half to even, as torch
 
 
-@_rule("div", "divide")
+@TABLE.rule("div", "divide")
 def _div(out: Any, input: Any, other: Any, *, rounding_mode: str | None = None) -> Any:
-    x, y = _in(out, input, other)
+    x, y = cast(out, input, other)
     if rounding_mode is None:
         return jnp.true_divide(x, y)
     if rounding_mode == "floor":
@@ -267,22 +201,22 @@ def _div(out: Any, input: Any, other: Any, *, rounding_mode: str | None = None) 
     return jnp.trunc(jnp.true_divide(x, y))
 
 
-@_rule("where", method=False)
+@TABLE.rule("where", method=False)
 def _where(out: Any, condition: Any, input: Any = None, other: Any = None) -> Any:
     if input is None:
         raise Untraceable("torch.where(condition)", "has a data-dependent shape")
-    x, y = _in(out, input, other)
+    x, y = cast(out, input, other)
     return jnp.where(condition, x, y)
 
 
-@_rule("where", function=False)
+@TABLE.rule("where", function=False)
 def _where_method(out: Any, input: Any, condition: Any, other: Any) -> Any:
     return _where(out, condition, input, other)
 
 
-@_rule("masked_fill")
+@TABLE.rule("masked_fill")
 def _masked_fill(out: Any, input: Any, mask: Any, value: Any) -> Any:
-    return jnp.where(mask, *_in(out, value, input))
+    return jnp.where(mask, *cast(out, value, input))
 
 
 def _comparison(names: str, fn: Callable) -> None:
@@ -290,11 +224,11 @@ def _comparison(names: str, fn: Callable) -> None:
 
     def rule(out: Any, input: Any, other: Any, _metas: tuple = ()) -> Any:
         dtype = jax_dtype(torch.result_type(*_metas)) if _metas else None
-        cast = [v.astype(dtype) if dtype is not None and isinstance(v, jax.Array) else v for v in (input, other)]
-        return fn(*cast)
+        values = [v.astype(dtype) if dtype is not None and isinstance(v, jax.Array) else v for v in (input, other)]
+        return fn(*values)
 
     rule.wants_metas = True  # type: ignore[attr-defined]
-    _rule(*names.split())(rule)
+    TABLE.rule(*names.split())(rule)
 
 
 # ---------------------------------------------------------------------------
@@ -303,10 +237,10 @@ def _comparison(names: str, fn: Callable) -> None:
 
 def _reduction(names: str, fn: Callable) -> None:
     def rule(out: Any, input: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
-        (x,) = _in(out, input)
-        return fn(x, axis=_dims(dim, x.ndim), keepdims=keepdim)
+        (x,) = cast(out, input)
+        return fn(x, axis=axes(dim, x.ndim), keepdims=keepdim)
 
-    _rule(*names.split())(rule)
+    TABLE.rule(*names.split())(rule)
 
 
 _REDUCTIONS: dict[str, Callable[..., Any]] = {
@@ -323,23 +257,23 @@ def _extremum(which: str) -> Callable:
 
     def rule(out: Any, input: Any, dim: Any = None, keepdim: bool = False) -> Any:
         if isinstance(dim, jax.Array):  # torch.max(a, b): elementwise
-            return pairwise(*_in(out, input, dim))
+            return pairwise(*cast(out, input, dim))
         if dim is None:
             return values(input)
-        return _on_vector(lambda x, d: (values(x, axis=d, keepdims=keepdim), index(x, axis=d, keepdims=keepdim)),
+        return on_vector(lambda x, d: (values(x, axis=d, keepdims=keepdim), index(x, axis=d, keepdims=keepdim)),
                           input, dim)
 
     return rule
 
 
 for _which in ("max", "min"):
-    _rule(_which)(_extremum(_which))
+    TABLE.rule(_which)(_extremum(_which))
 
 
 for _which, _fn in (("argmax", jnp.argmax), ("argmin", jnp.argmin)):
     RULES[f"torch.{_which}"] = RULES[f"torch.Tensor.{_which}"] = (
         lambda out, input, dim=None, keepdim=False, _fn=_fn:
-        _on_vector(lambda x, d: _fn(x, axis=d, keepdims=keepdim), input, dim) if dim is not None
+        on_vector(lambda x, d: _fn(x, axis=d, keepdims=keepdim), input, dim) if dim is not None
         else _fn(input.reshape(-1)).reshape(out.shape))
 
 
@@ -349,15 +283,15 @@ for _which, _fn in (("var", jnp.var), ("std", jnp.std)):
         if isinstance(dim, bool):  # var(x, unbiased)
             dim, unbiased = None, dim
         ddof = correction if correction is not None else (0 if unbiased is False else 1)
-        return _fn(input, axis=_dims(dim, input.ndim), ddof=ddof, keepdims=keepdim)
+        return _fn(input, axis=axes(dim, input.ndim), ddof=ddof, keepdims=keepdim)
 
     RULES[f"torch.{_which}"] = RULES[f"torch.Tensor.{_which}"] = _spread
 
 
 RULES["torch.cumsum"] = RULES["torch.Tensor.cumsum"] = (
-    lambda out, input, dim, *, dtype=None: _on_vector(lambda x, d: jnp.cumsum(x, axis=d), _in(out, input)[0], dim))
+    lambda out, input, dim, *, dtype=None: on_vector(lambda x, d: jnp.cumsum(x, axis=d), cast(out, input)[0], dim))
 RULES["torch.cumprod"] = RULES["torch.Tensor.cumprod"] = (
-    lambda out, input, dim, *, dtype=None: _on_vector(lambda x, d: jnp.cumprod(x, axis=d), _in(out, input)[0], dim))
+    lambda out, input, dim, *, dtype=None: on_vector(lambda x, d: jnp.cumprod(x, axis=d), cast(out, input)[0], dim))
 
 
 def _softmax_dim(ndim: int) -> int:
@@ -368,7 +302,7 @@ def _softmax_dim(ndim: int) -> int:
 for _which, _fn in (("softmax", jax.nn.softmax), ("log_softmax", jax.nn.log_softmax)):
     for _key in (f"torch.{_which}", f"torch.Tensor.{_which}", f"torch.nn.functional.{_which}"):
         RULES[_key] = (lambda out, input, dim=None, _stacklevel=3, dtype=None, _fn=_fn:
-                       _on_vector(lambda x, d: _fn(x, axis=d), _in(out, input)[0],
+                       on_vector(lambda x, d: _fn(x, axis=d), cast(out, input)[0],
                                   _softmax_dim(jnp.ndim(input)) if dim is None else dim))
 
 
@@ -376,53 +310,53 @@ for _which, _fn in (("softmax", jax.nn.softmax), ("log_softmax", jax.nn.log_soft
 # Linear algebra.
 
 
-@_rule("matmul", "__matmul__", "mm", "bmm")
+@TABLE.rule("matmul", "__matmul__", "mm", "bmm")
 def _matmul(out: Any, input: Any, other: Any) -> Any:
-    return jnp.matmul(*_in(out, input, other))
+    return jnp.matmul(*cast(out, input, other))
 
 
-@_rule("__rmatmul__", function=False)
+@TABLE.rule("__rmatmul__", function=False)
 def _rmatmul(out: Any, input: Any, other: Any) -> Any:
-    return jnp.matmul(*_in(out, other, input))
+    return jnp.matmul(*cast(out, other, input))
 
 
-@_rule("addmm")
+@TABLE.rule("addmm")
 def _addmm(out: Any, input: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
-    x, a, b = _in(out, input, mat1, mat2)
+    x, a, b = cast(out, input, mat1, mat2)
     product = alpha * (a @ b) if alpha != 1 else a @ b
     return product if beta == 0 else beta * x + product if beta != 1 else x + product
 
 
-@_rule("linear", functional=True, method=False, function=False)
+@TABLE.rule("linear", functional=True, method=False, function=False)
 def _linear(out: Any, input: Any, weight: Any, bias: Any = None) -> Any:
-    x, w, b = _in(out, input, weight, bias)
+    x, w, b = cast(out, input, weight, bias)
     return x @ w.T if b is None else x @ w.T + b
 
 
-@_rule("einsum", method=False)
+@TABLE.rule("einsum", method=False)
 def _einsum(out: Any, equation: str, *operands: Any) -> Any:
-    return jnp.einsum(equation, *_in(out, *_sizes(operands)))
+    return jnp.einsum(equation, *cast(out, *size_tuple(operands)))
 
 
-@_rule("outer", "ger")
+@TABLE.rule("outer", "ger")
 def _outer(out: Any, input: Any, vec2: Any) -> Any:
-    return jnp.outer(*_in(out, input, vec2))
+    return jnp.outer(*cast(out, input, vec2))
 
 
-@_rule("dot", "inner")
+@TABLE.rule("dot", "inner")
 def _dot(out: Any, input: Any, other: Any) -> Any:
-    return jnp.inner(*_in(out, input, other))
+    return jnp.inner(*cast(out, input, other))
 
 
-@_rule("norm")
+@TABLE.rule("norm")
 def _norm(result: Any, input: Any, p: Any = "fro", dim: Any = None, keepdim: bool = False, out: Any = None,
           dtype: Any = None) -> Any:
     if p is None:
         p = "fro"
     if isinstance(p, str) and p != "fro" or out is not None:
         raise Untraceable("torch.norm", f"is traced for p='fro' and numbers (got p={p!r}) without out=")
-    (x,) = _in(result, input)
-    return _vector_norm(x, 2 if p == "fro" else p, _dims(dim, x.ndim), keepdim)
+    (x,) = cast(result, input)
+    return _vector_norm(x, 2 if p == "fro" else p, axes(dim, x.ndim), keepdim)
 
 
 def _vector_norm(x: Any, p: Any, axis: Any, keepdim: bool) -> Any:
@@ -462,20 +396,20 @@ for _name in ("einsum", "norm"):
 
 
 def _norm_dims(dim: Any, ndim: int) -> Any:
-    return None if dim is None else _dims(dim, ndim)
+    return None if dim is None else axes(dim, ndim)
 
 
-@_rule("linalg.vector_norm", method=False)
+@TABLE.rule("linalg.vector_norm", method=False)
 def _linalg_vector_norm(out: Any, x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,
                         dtype: Any = None) -> Any:
-    (x,) = _in(out, x) if dtype is not None else (x,)
+    (x,) = cast(out, x) if dtype is not None else (x,)
     return _vector_norm(x, ord, _norm_dims(dim, x.ndim), keepdim)
 
 
-@_rule("linalg.norm", method=False)
+@TABLE.rule("linalg.norm", method=False)
 def _linalg_norm(out: Any, A: Any, ord: Any = None, dim: Any = None, keepdim: bool = False, *,
                  dtype: Any = None) -> Any:
-    (x,) = _in(out, A) if dtype is not None else (A,)
+    (x,) = cast(out, A) if dtype is not None else (A,)
     axis = _norm_dims(dim, x.ndim)
     if ord is None or ord == "fro" and (axis is None and x.ndim == 2 or axis is not None and len(axis) == 2):
         return _vector_norm(x, 2, axis, keepdim)
@@ -484,7 +418,7 @@ def _linalg_norm(out: Any, A: Any, ord: Any = None, dim: Any = None, keepdim: bo
     raise Untraceable("torch.linalg.norm", f"is traced for vector norms and 'fro' (got ord={ord!r})")
 
 
-@_rule("diag_embed")
+@TABLE.rule("diag_embed")
 def _diag_embed(out: Any, input: Any, offset: int = 0, dim1: int = -2, dim2: int = -1) -> Any:
     n = input.shape[-1]
     m = n + abs(offset)
@@ -496,7 +430,7 @@ def _diag_embed(out: Any, input: Any, offset: int = 0, dim1: int = -2, dim2: int
 _PAD_MODES = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}
 
 
-@_rule("pad", functional=True, method=False, function=False)
+@TABLE.rule("pad", functional=True, method=False, function=False)
 def _pad(out: Any, input: Any, pad: Any, mode: str = "constant", value: Any = None) -> Any:
     pairs = [(0, 0)] * (input.ndim - len(pad) // 2) + [(pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)][::-1]
     if mode == "constant":
@@ -514,6 +448,3 @@ def _broadcast_tensors(out: Any, *tensors: Any) -> tuple:
 RULES["torch.broadcast_tensors"] = RULES["torch.functional.broadcast_tensors"] = _broadcast_tensors
 VIEWS.update({"torch.broadcast_tensors", "torch.functional.broadcast_tensors"})
 
-
-# The shape, view and indexing rules live in their own module and register into the same tables.
-from . import _torch_ops_shapes  # noqa: E402,F401

@@ -1,14 +1,15 @@
-"""Trace mode's torch calls on stand-ins answered without a rule from ``_torch_ops``.
+"""Trace mode's torch calls on stand-ins answered without a rule from the op table (``ops``).
 
 Torch's autograd graph over stand-ins (``detach``, ``requires_grad_``,
 ``grad_fn``, ``torch.autograd.grad`` by replaying the recorded nodes),
 devices and casts (``.cpu()``, ``.to``), ``.new``/``.new_tensor``, ``repr``,
-and the calls that need a tensor's value (refused). Importing this module
-registers them in ``_torch_trace._SPECIAL``, which ``_dispatch`` consults first.
+and the calls that need a tensor's value (refused): ``calls`` is their table,
+which the tracer (``trace.py``) consults first, handing it how it makes stand-ins.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -16,66 +17,69 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from ._torch_ops import Untraceable, jax_dtype
-from ._torch_trace import (
-    _SPECIAL,
-    TracedTensor,
-    _constant,
-    _differentiable,
-    _is_tensor,
-    _make,
-    _Node,
-    _read,
-    _results,
-    _set_requires_grad,
-    _state,
-    _to_jax,
+from .dtypes import jax_dtype
+from .ops import Untraceable
+from .standin import (
+    Node,
+    StandIn,
+    constant,
+    differentiable,
+    differentiating,
+    is_tensor,
     meta_of,
+    read,
+    set_requires_grad,
+    to_jax,
 )
 
-__all__: list[str] = []
+__all__ = ["calls"]
+
+# ``make(value, meta, node)``: a new stand-in (``trace.make``); ``stand_ins(name, out, compute, operands)``: one
+# call's values as stand-ins shaped as torch's ``out`` (``trace.stand_ins``). The tracer hands both to ``calls``.
+Make = Callable[..., StandIn]
+
 
 # ---------------------------------------------------------------------------
 # Autograd: detach, requires_grad_, torch.autograd.grad.
 
 
-def _view(name: str, t: TracedTensor, value: Any, node: _Node | None) -> TracedTensor:
+def _view(make: Make, name: str, t: StandIn, value: Any, node: Node | None) -> StandIn:
     root = t._view_of if t._view_of is not None else t
-    v = _make(value, t._meta, node)
+    v = make(value, t._meta, node)
     v._view_of, v._seen, v._view_op = root, root._writes, name
     return v
 
 
-def _detach(t: TracedTensor) -> TracedTensor:
+def _detach(make: Make, t: StandIn) -> StandIn:
     """``x.detach()``, ``x.data``: the same storage, no gradient (``stop_gradient``)."""
-    value = _read(t)
-    return _view("torch.Tensor.detach", t, lax.stop_gradient(value) if _differentiable(t._meta.dtype) else value,
+    value = read(t)
+    return _view(make, "torch.Tensor.detach", t, lax.stop_gradient(value) if differentiable(t._meta.dtype) else value,
                  None)
 
 
-def _detach_(t: TracedTensor) -> TracedTensor:
+def _detach_(t: StandIn) -> StandIn:
     if t._view_of is not None:
         raise Untraceable("torch.Tensor.detach_", f"detaches a view (taken by {t._view_op}) in place")
-    if _differentiable(t._meta.dtype):
-        t._stored = lax.stop_gradient(_read(t))
+    if differentiable(t._meta.dtype):
+        t._stored = lax.stop_gradient(read(t))
     if t._node is not None:
-        _set_requires_grad(t, None)
+        set_requires_grad(t, None)
     return t
 
 
-def _requires_grad_(t: TracedTensor, requires_grad: bool = True) -> TracedTensor:
+def _requires_grad_(t: StandIn, requires_grad: bool = True) -> StandIn:
     if requires_grad and t._node is None:
-        if not _differentiable(t._meta.dtype):
+        if not differentiable(t._meta.dtype):
             raise RuntimeError("only Tensors of floating point and complex dtype can require gradients")
-        _set_requires_grad(t, _Node(None, (), _read(t), "leaf"))
+        set_requires_grad(t, Node(None, (), read(t), "leaf"))
     elif not requires_grad and t._node is not None:
         if t._node.fn is not None:
             raise RuntimeError("you can only change requires_grad flags of leaf variables. If you want to use a "
                                "computed variable in a subgraph that doesn't require differentiation use "
                                "var_no_grad = var.detach().")
-        if _state["grad"]:
-            t._stored = lax.stop_gradient(_read(t))
-        _set_requires_grad(t, None)
+        if differentiating():
+            t._stored = lax.stop_gradient(read(t))
+        set_requires_grad(t, None)
     return t
 
 
@@ -92,7 +96,7 @@ class _TracedGradFn:
         return f"<traced {self._name}>"
 
 
-def _grad_fn(t: TracedTensor) -> Any:
+def _grad_fn(t: StandIn) -> Any:
     return None if t._node is None or t._node.fn is None else _TracedGradFn(t._node.name)
 
 
@@ -100,7 +104,7 @@ def _sequence(x: Any) -> tuple:
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
 
 
-def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: Any = None,
+def _autograd_grad(make: Make, outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: Any = None,
                    create_graph: bool = False, only_inputs: bool = True, allow_unused: Any = None,
                    is_grads_batched: bool = False, materialize_grads: bool = False) -> tuple:
     """``torch.autograd.grad`` on traced tensors: the VJP of the replayed nodes from ``inputs`` to ``outputs``.
@@ -117,10 +121,10 @@ def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_g
     allow_unused = materialize_grads if allow_unused is None else allow_unused
     grad_outputs = (None,) * len(outputs) if grad_outputs is None else _sequence(grad_outputs)
     for i, o in enumerate(outputs):
-        if not isinstance(o, TracedTensor) or o._node is None:
+        if not isinstance(o, StandIn) or o._node is None:
             raise RuntimeError(f"element {i} of tensors does not require grad and does not have a grad_fn")
     for x in inputs:
-        if not isinstance(x, TracedTensor) or x._node is None:
+        if not isinstance(x, StandIn) or x._node is None:
             raise RuntimeError("One of the differentiated Tensors does not require grad")
     cotangents: list = []
     for o, g in zip(outputs, grad_outputs, strict=True):
@@ -145,11 +149,11 @@ def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_g
         _, pullback = jax.vjp(of, *input_values)
         return list(pullback([jnp.asarray(c).astype(d) for c, d in zip(ct_values, dtypes, strict=True)]))
 
-    ct_values = [_read(c) if isinstance(c, TracedTensor) else _to_jax(c) for c in cotangents]
-    found = gradients([_read(x) for x in inputs], ct_values, {})
+    ct_values = [read(c) if isinstance(c, StandIn) else to_jax(c) for c in cotangents]
+    found = gradients([read(x) for x in inputs], ct_values, {})
     nodes: list = [None] * len(inputs)
     if create_graph:
-        ct_nodes = [c._node if isinstance(c, TracedTensor) else None for c in cotangents]
+        ct_nodes = [c._node if isinstance(c, StandIn) else None for c in cotangents]
         leaves = _leaves([*out_nodes, *in_nodes, *(n for n in ct_nodes if n is not None)])
 
         def again(*leaf_values: Any) -> list:
@@ -157,7 +161,7 @@ def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_g
             cts = [v if n is None else _replay([n], subst)[0] for v, n in zip(ct_values, ct_nodes, strict=True)]
             return gradients(_replay(in_nodes, subst), cts, subst)
 
-        nodes = [_Node(lambda *lv, i=i: again(*lv)[i], tuple(leaves), g, "torch.autograd.grad") if u else None
+        nodes = [Node(lambda *lv, i=i: again(*lv)[i], tuple(leaves), g, "torch.autograd.grad") if u else None
                  for i, (g, u) in enumerate(zip(found, used, strict=True))]
     results: list[Any] = []
     for x, g, u, node in zip(inputs, found, used, nodes, strict=True):
@@ -165,7 +169,7 @@ def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_g
             results.append(None)
             continue
         value = g if node is not None else lax.stop_gradient(g)
-        results.append(_make(value, x._meta, node))
+        results.append(make(value, x._meta, node))
     return tuple(results)
 
 
@@ -234,81 +238,84 @@ def _reads_value(name: str) -> Callable:
     return refuse
 
 
-def _moved(t: TracedTensor, *args: Any, **kwargs: Any) -> Any:
+def _moved(stand_ins: Callable, t: StandIn, *args: Any, **kwargs: Any) -> Any:
     """``.cpu()``, ``.to(device, dtype)``: devices are XLA's business; a dtype is a cast."""
-    dtypes = [a.dtype if _is_tensor(a) else a for a in (*args, kwargs.get("dtype"))
-              if isinstance(a, torch.dtype) or _is_tensor(a)]
+    dtypes = [a.dtype if is_tensor(a) else a for a in (*args, kwargs.get("dtype"))
+              if isinstance(a, torch.dtype) or is_tensor(a)]
     if not dtypes or dtypes[0] == t.dtype:
         return t
     out = t._meta.to(dtypes[0])
-    return _results("torch.Tensor.to", out, lambda values: values[0], [t])
+    return stand_ins("torch.Tensor.to", out, lambda values: values[0], [t])
 
 
-def _new(t: TracedTensor, *args: Any, **kwargs: Any) -> Any:
+def _new(make: Make, t: StandIn, *args: Any, **kwargs: Any) -> Any:
     """The legacy ``x.new(...)``: of another tensor, its values; of sizes, uninitialized (here zeros)."""
-    if len(args) == 1 and _is_tensor(args[0]) and not kwargs:
+    if len(args) == 1 and is_tensor(args[0]) and not kwargs:
         source = args[0]
         if source.dtype != t.dtype:
             raise TypeError(f"expected {t.dtype} (got {source.dtype})")
-        value = _read(source) if isinstance(source, TracedTensor) else _to_jax(source)
-        out = _make(value, meta_of(value, t.dtype), None)
-        if isinstance(source, TracedTensor):  # it shares the source's storage
+        value = read(source) if isinstance(source, StandIn) else to_jax(source)
+        out = make(value, meta_of(value, t.dtype), None)
+        if isinstance(source, StandIn):  # it shares the source's storage
             root = source._view_of if source._view_of is not None else source
             out._view_of, out._seen, out._view_op = root, root._writes, "torch.Tensor.new"
         return out
     if all(isinstance(a, int) for a in args) and not kwargs:
         meta = t._meta.new_empty(args)
-        return _make(jnp.zeros(tuple(meta.shape), jax_dtype(meta.dtype)), meta, None)
+        return make(jnp.zeros(tuple(meta.shape), jax_dtype(meta.dtype)), meta, None)
     raise Untraceable("torch.Tensor.new", "is traced only for a tensor or sizes")
 
 
-def _new_tensor(t: TracedTensor, data: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
-                layout: Any = None, pin_memory: bool = False) -> TracedTensor:
+def _new_tensor(make: Make, t: StandIn, data: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
+                layout: Any = None, pin_memory: bool = False) -> StandIn:
     """``x.new_tensor(data)``: a new leaf holding ``data`` (a copy, detached), of ``x``'s dtype by default."""
     dtype = dtype or t.dtype
-    if _is_tensor(data):
+    if is_tensor(data):
         meta = torch.empty(tuple(data.shape), dtype=dtype, device="meta")
-        value = _to_jax(data).astype(jax_dtype(dtype))
-        value = lax.stop_gradient(value) if _differentiable(dtype) else value
+        value = to_jax(data).astype(jax_dtype(dtype))
+        value = lax.stop_gradient(value) if differentiable(dtype) else value
     else:
-        constant = torch.tensor(data, dtype=dtype)
-        meta, value = constant.to("meta"), _constant(constant)
-    return _make(value, meta, _Node(None, (), value, "leaf") if requires_grad else None)
+        made = torch.tensor(data, dtype=dtype)
+        meta, value = made.to("meta"), constant(made)
+    return make(value, meta, Node(None, (), value, "leaf") if requires_grad else None)
 
 
-def _repr(t: TracedTensor, *args: Any, **kwargs: Any) -> str:
+def _repr(t: StandIn, *args: Any, **kwargs: Any) -> str:
     return f"TracedTensor(shape={tuple(t._meta.shape)}, dtype={t._meta.dtype})"
 
 
-_SPECIAL.update({
-    "torch.Tensor.device.__get__": lambda t: torch.device("cpu"),
-    "torch.Tensor.is_cuda.__get__": lambda t: False,
-    "torch.Tensor.is_meta.__get__": lambda t: False,
-    "torch.Tensor.is_cpu.__get__": lambda t: True,
-    "torch.Tensor.requires_grad.__get__": lambda t: t._node is not None,
-    "torch.Tensor.is_leaf.__get__": lambda t: t._node is None or t._node.fn is None,
-    "torch.Tensor.grad_fn.__get__": _grad_fn,
-    "torch.Tensor.detach": _detach,
-    "torch.detach": _detach,
-    "torch.Tensor.data.__get__": _detach,
-    "torch.Tensor.detach_": _detach_,
-    "torch.detach_": _detach_,
-    "torch.Tensor.requires_grad_": _requires_grad_,
-    "torch.Tensor.retain_grad": lambda t: None,
-    "torch.autograd.grad": _autograd_grad,
-    "torch.autograd.backward": _refuse_backward,
-    "torch.Tensor.backward": _refuse_backward,
-    "torch.Tensor.__repr__": _repr,
-    "torch.Tensor.__str__": _repr,
-    "torch.Tensor.__format__": _repr,
-    "torch.Tensor.cpu": _moved,
-    "torch.Tensor.cuda": _moved,
-    "torch.Tensor.to": _moved,
-    "torch.Tensor.new": _new,
-    "torch.Tensor.new_tensor": _new_tensor,
-    **{f"torch.Tensor.{name}": _reads_value(f"torch.Tensor.{name}") for name in (
-        "__bool__", "__float__", "__int__", "__index__", "__complex__", "item", "tolist", "numpy", "__array__",
-        "data_ptr", "nonzero", "unique", "masked_select", "argwhere")},
-    **{f"torch.{name}": _reads_value(f"torch.{name}") for name in (
-        "nonzero", "unique", "masked_select", "argwhere", "is_nonzero", "equal")},
-})
+def calls(make: Make, stand_ins: Callable) -> dict[str, Callable]:
+    """The calls answered without a rule, by torch name, given the tracer's ``make`` and ``stand_ins``."""
+    detach = functools.partial(_detach, make)
+    return {
+        "torch.Tensor.device.__get__": lambda t: torch.device("cpu"),
+        "torch.Tensor.is_cuda.__get__": lambda t: False,
+        "torch.Tensor.is_meta.__get__": lambda t: False,
+        "torch.Tensor.is_cpu.__get__": lambda t: True,
+        "torch.Tensor.requires_grad.__get__": lambda t: t._node is not None,
+        "torch.Tensor.is_leaf.__get__": lambda t: t._node is None or t._node.fn is None,
+        "torch.Tensor.grad_fn.__get__": _grad_fn,
+        "torch.Tensor.detach": detach,
+        "torch.detach": detach,
+        "torch.Tensor.data.__get__": detach,
+        "torch.Tensor.detach_": _detach_,
+        "torch.detach_": _detach_,
+        "torch.Tensor.requires_grad_": _requires_grad_,
+        "torch.Tensor.retain_grad": lambda t: None,
+        "torch.autograd.grad": functools.partial(_autograd_grad, make),
+        "torch.autograd.backward": _refuse_backward,
+        "torch.Tensor.backward": _refuse_backward,
+        "torch.Tensor.__repr__": _repr,
+        "torch.Tensor.__str__": _repr,
+        "torch.Tensor.__format__": _repr,
+        "torch.Tensor.cpu": functools.partial(_moved, stand_ins),
+        "torch.Tensor.cuda": functools.partial(_moved, stand_ins),
+        "torch.Tensor.to": functools.partial(_moved, stand_ins),
+        "torch.Tensor.new": functools.partial(_new, make),
+        "torch.Tensor.new_tensor": functools.partial(_new_tensor, make),
+        **{f"torch.Tensor.{name}": _reads_value(f"torch.Tensor.{name}") for name in (
+            "__bool__", "__float__", "__int__", "__index__", "__complex__", "item", "tolist", "numpy", "__array__",
+            "data_ptr", "nonzero", "unique", "masked_select", "argwhere")},
+        **{f"torch.{name}": _reads_value(f"torch.{name}") for name in (
+            "nonzero", "unique", "masked_select", "argwhere", "is_nonzero", "equal")},
+    }

@@ -1,4 +1,4 @@
-"""Trace mode's rules for shapes, views, indexing and sorting, registered into ``_torch_ops.RULES``.
+"""Trace mode's op table, its shapes part: rules for shapes, views, indexing and sorting.
 
 Reshapes, broadcasts, casts and ``*_like`` fills, transposes and other
 views (also listed in ``VIEWS``), concatenation and splitting, indexing
@@ -15,9 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._torch_ops import RULES, VIEWS, Untraceable, _dims, _in, _on_vector, _rule, _sizes, jax_dtype
+from ..dtypes import jax_dtype
+from .base import Table, Untraceable, axes, cast, on_vector, size_tuple
 
-__all__ = ["index_of", "set_item"]
+__all__ = ["RULES", "VIEWS", "index_of", "set_item"]
+
+TABLE = Table()
+RULES, VIEWS = TABLE.rules, TABLE.views
 
 # ---------------------------------------------------------------------------
 # Shapes: torch's meta run gives the result shape.
@@ -29,7 +33,7 @@ def _reshape(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
 
 for _name in ("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
               "ravel"):
-    _rule(_name, view=True)(_reshape)
+    TABLE.rule(_name, view=True)(_reshape)
 
 
 def _broadcast(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
@@ -37,7 +41,7 @@ def _broadcast(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 for _name in ("expand", "expand_as", "broadcast_to"):
-    _rule(_name, view=True)(_broadcast)
+    TABLE.rule(_name, view=True)(_broadcast)
 
 
 def _same(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
@@ -47,7 +51,7 @@ def _same(out: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
 
 for _name in ("type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "short", "bool",
               "byte", "char", "clone", "contiguous", "positive", "__pos__", "resolve_conj", "resolve_neg"):
-    _rule(_name, view=_name == "contiguous")(_same)
+    TABLE.rule(_name, view=_name == "contiguous")(_same)
 
 
 def _filled(value: Any) -> Callable:
@@ -59,30 +63,30 @@ def _filled(value: Any) -> Callable:
 
 for _name, _value in (("zeros_like", 0), ("ones_like", 1), ("empty_like", 0), ("new_zeros", 0), ("new_ones", 1),
                       ("new_empty", 0)):
-    _rule(_name)(_filled(_value))
+    TABLE.rule(_name)(_filled(_value))
 
 
-@_rule("full_like")
+@TABLE.rule("full_like")
 def _full_like(out: Any, input: Any, fill_value: Any, **kwargs: Any) -> Any:
     return jnp.full(tuple(out.shape), fill_value, jax_dtype(out.dtype))
 
 
-@_rule("new_full")
+@TABLE.rule("new_full")
 def _new_full(out: Any, input: Any, size: Any, fill_value: Any, **kwargs: Any) -> Any:
     return jnp.full(tuple(out.shape), fill_value, jax_dtype(out.dtype))
 
 
-@_rule("transpose", "swapaxes", "swapdims", view=True)
+@TABLE.rule("transpose", "swapaxes", "swapdims", view=True)
 def _transpose(out: Any, input: Any, dim0: int, dim1: int) -> Any:
     return jnp.swapaxes(input, dim0, dim1) if input.ndim else input
 
 
-@_rule("permute", view=True)
+@TABLE.rule("permute", view=True)
 def _permute(out: Any, input: Any, *dims: Any) -> Any:
-    return jnp.transpose(input, _sizes(dims))
+    return jnp.transpose(input, size_tuple(dims))
 
 
-@_rule("t", view=True)
+@TABLE.rule("t", view=True)
 def _t(out: Any, input: Any) -> Any:
     return input.T
 
@@ -92,37 +96,37 @@ RULES["torch.Tensor.mT.__get__"] = lambda out, input: jnp.swapaxes(input, -2, -1
 VIEWS.update({"torch.Tensor.T.__get__", "torch.Tensor.mT.__get__"})
 
 
-@_rule("movedim", "moveaxis", view=True)
+@TABLE.rule("movedim", "moveaxis", view=True)
 def _movedim(out: Any, input: Any, source: Any, destination: Any) -> Any:
     return jnp.moveaxis(input, source, destination)
 
 
-@_rule("flip")
+@TABLE.rule("flip")
 def _flip(out: Any, input: Any, *dims: Any, **kwargs: Any) -> Any:
-    return jnp.flip(input, _dims(_sizes(dims) if dims else kwargs["dims"], input.ndim) or ())
+    return jnp.flip(input, axes(size_tuple(dims) if dims else kwargs["dims"], input.ndim) or ())
 
 
-@_rule("roll")
+@TABLE.rule("roll")
 def _roll(out: Any, input: Any, shifts: Any, dims: Any = None) -> Any:
     return jnp.roll(input, shifts, dims)
 
 
-@_rule("repeat", function=False)
+@TABLE.rule("repeat", function=False)
 def _repeat(out: Any, input: Any, *sizes: Any) -> Any:
-    return jnp.tile(input, _sizes(sizes))
+    return jnp.tile(input, size_tuple(sizes))
 
 
-@_rule("tile")
+@TABLE.rule("tile")
 def _tile(out: Any, input: Any, dims: Any) -> Any:
     return jnp.tile(input, tuple(dims))
 
 
-@_rule("narrow", view=True)
+@TABLE.rule("narrow", view=True)
 def _narrow(out: Any, input: Any, dim: int, start: int, length: int) -> Any:
     return lax.slice_in_dim(input, start % input.shape[dim], start % input.shape[dim] + length, axis=dim)
 
 
-@_rule("select", view=True)
+@TABLE.rule("select", view=True)
 def _select(out: Any, input: Any, dim: int, index: int) -> Any:
     return jnp.take(input, index, axis=dim)
 
@@ -139,22 +143,22 @@ def _pieces(out: Any, input: Any, *args: Any, dim: int = 0, **kwargs: Any) -> tu
 
 
 for _name in ("split", "chunk", "tensor_split"):
-    _rule(_name, view=True)(_pieces)
+    TABLE.rule(_name, view=True)(_pieces)
 
 
-@_rule("unbind", view=True)
+@TABLE.rule("unbind", view=True)
 def _unbind(out: Any, input: Any, dim: int = 0) -> tuple:
     return tuple(jnp.moveaxis(input, dim, 0))
 
 
-@_rule("cat", "concat", "concatenate", method=False)
+@TABLE.rule("cat", "concat", "concatenate", method=False)
 def _cat(out: Any, tensors: Any, dim: int = 0) -> Any:
-    return jnp.concatenate(_in(out, *tensors), axis=dim)
+    return jnp.concatenate(cast(out, *tensors), axis=dim)
 
 
-@_rule("stack", method=False)
+@TABLE.rule("stack", method=False)
 def _stack(out: Any, tensors: Any, dim: int = 0) -> Any:
-    return jnp.stack(_in(out, *tensors), axis=dim)
+    return jnp.stack(cast(out, *tensors), axis=dim)
 
 
 # ---------------------------------------------------------------------------
@@ -174,7 +178,7 @@ def index_of(index: Any) -> Any:
     return index
 
 
-@_rule("__getitem__", function=False, view=True)
+@TABLE.rule("__getitem__", function=False, view=True)
 def _getitem(out: Any, input: Any, index: Any) -> Any:
     return input[index_of(index)]
 
@@ -197,12 +201,12 @@ def _along(index: Any, dim: int) -> tuple:
     return tuple(grids)
 
 
-@_rule("gather")
+@TABLE.rule("gather")
 def _gather(out: Any, input: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
-    return _on_vector(lambda x, d, i: x[_along(i, d % x.ndim)], input, dim, index)
+    return on_vector(lambda x, d, i: x[_along(i, d % x.ndim)], input, dim, index)
 
 
-@_rule("take_along_dim")
+@TABLE.rule("take_along_dim")
 def _take_along_dim(out: Any, input: Any, indices: Any, dim: int | None = None) -> Any:
     if dim is None:
         return jnp.take(input.reshape(-1), indices.reshape(-1))
@@ -226,7 +230,7 @@ def _scatter_rule(add: bool) -> Callable:
                 return at.multiply(s) if x.dtype != jnp.bool_ else at.min(s)  # bool: and
             return at.set(s)
 
-        return _on_vector(scatter, input, dim, index, src)
+        return on_vector(scatter, input, dim, index, src)
 
     return rule
 
@@ -235,38 +239,38 @@ RULES["torch.scatter"] = RULES["torch.Tensor.scatter"] = _scatter_rule(False)
 RULES["torch.scatter_add"] = RULES["torch.Tensor.scatter_add"] = _scatter_rule(True)
 
 
-@_rule("one_hot", functional=True, method=False, function=False)
+@TABLE.rule("one_hot", functional=True, method=False, function=False)
 def _one_hot(out: Any, tensor: Any, num_classes: int = -1) -> Any:
     return jax.nn.one_hot(tensor, out.shape[-1], dtype=jax_dtype(out.dtype))  # torch's meta run knows the width
 
 
-@_rule("index_select")
+@TABLE.rule("index_select")
 def _index_select(out: Any, input: Any, dim: int, index: Any) -> Any:
-    return _on_vector(lambda x, d, i: jnp.take(x, i.reshape(-1), axis=d), input, dim, index)
+    return on_vector(lambda x, d, i: jnp.take(x, i.reshape(-1), axis=d), input, dim, index)
 
 
-@_rule("index_add")
+@TABLE.rule("index_add")
 def _index_add(out: Any, input: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
     def add(x: Any, d: int, i: Any, s: Any) -> Any:
         where = (slice(None),) * (d % x.ndim) + (i.reshape(-1),)
         s = s.astype(x.dtype)
         return x.at[where].add(s if alpha == 1 else alpha * s) if x.dtype != jnp.bool_ else x.at[where].max(s)
 
-    return _on_vector(add, input, dim, index, source)
+    return on_vector(add, input, dim, index, source)
 
 
-@_rule("index_fill")
+@TABLE.rule("index_fill")
 def _index_fill(out: Any, input: Any, dim: int, index: Any, value: Any) -> Any:
-    return _on_vector(lambda x, d, i: x.at[(slice(None),) * (d % x.ndim) + (i.reshape(-1),)].set(
+    return on_vector(lambda x, d, i: x.at[(slice(None),) * (d % x.ndim) + (i.reshape(-1),)].set(
         jnp.asarray(value, x.dtype)), input, dim, index)
 
 
-@_rule("topk")
+@TABLE.rule("topk")
 def _topk(out: Any, input: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple:
     # Sorted (torch's unsorted order is unspecified); NaN counts as the largest, as in torch.
     values, indices = _sort(out, input, dim, descending=largest)
-    return (_on_vector(lambda v, d: lax.slice_in_dim(v, 0, k, axis=d), values, dim),
-            _on_vector(lambda i, d: lax.slice_in_dim(i, 0, k, axis=d), indices, dim))
+    return (on_vector(lambda v, d: lax.slice_in_dim(v, 0, k, axis=d), values, dim),
+            on_vector(lambda i, d: lax.slice_in_dim(i, 0, k, axis=d), indices, dim))
 
 
 def _descending_key(x: Any) -> list:
@@ -276,7 +280,7 @@ def _descending_key(x: Any) -> list:
     return [~x if x.dtype != jnp.bool_ else jnp.logical_not(x)]
 
 
-@_rule("sort")
+@TABLE.rule("sort")
 def _sort(out: Any, input: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> tuple:
     def sort(x: Any, d: int) -> tuple:
         iota = lax.broadcasted_iota(jax.dtypes.canonicalize_dtype(jnp.int64), x.shape, d % x.ndim)
@@ -284,10 +288,10 @@ def _sort(out: Any, input: Any, dim: int = -1, descending: bool = False, stable:
         *_, values, order = lax.sort((*keys, x, iota), dimension=d % x.ndim, is_stable=True, num_keys=len(keys))
         return values, order
 
-    return _on_vector(sort, input, dim)
+    return on_vector(sort, input, dim)
 
 
-@_rule("argsort")
+@TABLE.rule("argsort")
 def _argsort(out: Any, input: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> Any:
     return _sort(out, input, dim, descending)[1]
 

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .dtypes import torch_dtype
+
 
 def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, Any]:
     """forward's output structure, shapes and dtypes: run on meta tensors, else on sample values.
@@ -26,10 +28,10 @@ def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, An
     learned from samples worthless where they reach an output: forward then
     runs once more with each such result one row longer, and an output shape
     that follows is refused here, naming the operation. (Every callback also
-    checks its outputs' shapes against these, ``_Program._to_numpy``.)
+    checks its outputs' shapes against these, ``callback._Program._to_numpy``.)
     """
     torch = program.origin.torch
-    meta = [torch.empty(shape, dtype=torch_dtype(torch, dtype), device="meta") for shape, dtype in program.in_kinds]
+    meta = [torch.empty(shape, dtype=torch_dtype(dtype), device="meta") for shape, dtype in program.in_kinds]
     ran_on = meta
     try:
         # Warnings about these made-up calls (torch's checkpoint: "None of the inputs have
@@ -47,7 +49,7 @@ def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, An
             try:
                 with torch.no_grad(), warnings.catch_warnings(), watch:
                     warnings.simplefilter("ignore")
-                    program._guarded(run, samples, False)
+                    program.guarded(run, samples, False)
                 break
             except Exception:
                 if low != -1.5:
@@ -57,7 +59,7 @@ def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, An
             program.value_dependent = ", ".join(watch.seen)
             _refuse_value_dependent_shapes(program, run, samples, out_info)
     # An original that writes into its inputs is refused here, before a run on JAX's own buffers could.
-    program._check_unchanged(ran_on, [0] * len(ran_on))
+    program.check_unchanged(ran_on, [0] * len(ran_on))
     leaves = out_info["leaves"]
     treedef = out_info["treedef"]
     out_info.pop("leaves")
@@ -201,8 +203,3 @@ def sample(rng: np.random.Generator, shape: tuple, dtype: np.dtype, low: float) 
         return rng.uniform(low, 1.5, shape).astype(dtype)
     return np.zeros(shape, dtype)
 
-
-def torch_dtype(torch: Any, dtype: np.dtype) -> Any:
-    if dtype.name == "bfloat16":
-        return torch.bfloat16
-    return torch.from_numpy(np.empty(0, dtype)).dtype

@@ -1,6 +1,6 @@
 """``from_torch(..., mode="trace")``'s fronts: the traced Function, the traced callable and ``"auto"``'s choice.
 
-The original's methods run on stand-ins (``_torch_trace``) inside ``running``,
+The original's methods run on stand-ins (``trace.py``) inside ``running``,
 which sets torch's grad mode, refuses random draws and says where a refused
 call stands; ``TracedCtx`` is the ctx they see, kept on vjpkit's ctx.
 """
@@ -20,17 +20,17 @@ import numpy as np
 import torch
 from torch.overrides import resolve_name
 
-from . import _caches, _jax_internals, _torch_special  # noqa: F401 - _torch_special registers its calls
-from ._ctx import FunctionCtx
-from ._from_torch import defines, is_torch_once_differentiable
-from ._function import Function
-from ._once import once_differentiable
-from ._torch_ops import Untraceable
-from ._torch_original import UNSET, named_tuples, passed_arguments
-from ._torch_trace import _is_tensor, _state, _to_jax, meta_of, stand_in
-from ._tree import is_array, partition
+from .. import _caches, _jax_internals
+from .._ctx import FunctionCtx, in_jvp
+from .._function import Function
+from .._once import once_differentiable
+from .._tree import is_array, partition
+from .ops import Untraceable
+from .origin import UNSET, Origin, named_tuples, passed_arguments
+from .standin import differentiated, is_tensor, meta_of, to_jax
+from .trace import stand_in
 
-__all__ = ["Either", "TracedCtx", "auto", "run_traced", "trace_callable", "trace_function_class", "traced"]
+__all__ = ["Either", "TracedCtx", "auto", "run_traced", "trace_callable", "trace_function_class", "wrap"]
 
 # ---------------------------------------------------------------------------
 # Running the original's methods on stand-ins.
@@ -52,8 +52,8 @@ def to_jax_tree(tree: Any) -> Any:
     A ``torch.return_types`` result (``torch.max(x, 1)``, ``sort``) is a C struct
     sequence that JAX does not see into: it becomes a namedtuple of the same name and fields.
     """
-    return jax.tree_util.tree_map(lambda x: _to_jax(x) if _is_tensor(x) else x, named_tuples(tree),
-                                  is_leaf=_is_tensor)
+    return jax.tree_util.tree_map(lambda x: to_jax(x) if is_tensor(x) else x, named_tuples(tree),
+                                  is_leaf=is_tensor)
 
 
 def to_torch_tree(tree: Any, requires_grad: Callable[[int], bool] = lambda i: False) -> Any:
@@ -66,7 +66,7 @@ def to_torch_tree(tree: Any, requires_grad: Callable[[int], bool] = lambda i: Fa
 
 def _hold(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return _Held(_to_jax(x), x.dtype)
+        return _Held(to_jax(x), x.dtype)
     return x
 
 
@@ -94,14 +94,13 @@ class TracedCtx:
 
     def _save(self, method: str, dtypes: str, tensors: tuple) -> None:
         ctx = self._vjpkit_ctx
-        getattr(ctx, method)(*[None if t is None else _to_jax(t) if _is_tensor(t) else t for t in tensors])
-        setattr(ctx, dtypes, tuple(t.dtype if _is_tensor(t) else None for t in tensors))
+        getattr(ctx, method)(*[None if t is None else to_jax(t) if is_tensor(t) else t for t in tensors])
+        setattr(ctx, dtypes, tuple(t.dtype if is_tensor(t) else None for t in tensors))
 
     @property
     def saved_tensors(self) -> tuple:
         ctx = self._vjpkit_ctx
-        in_jvp = ctx._vjpkit_in_jvp
-        dtypes = getattr(ctx, "_torch_saved_forward_dtypes" if in_jvp else "_torch_saved_dtypes", ())
+        dtypes = getattr(ctx, "_torch_saved_forward_dtypes" if in_jvp(ctx) else "_torch_saved_dtypes", ())
         return tuple(None if x is None else stand_in(x, meta_of(x, dtype))
                      for x, dtype in zip(ctx.saved_tensors, dtypes, strict=True))
 
@@ -112,7 +111,7 @@ class TracedCtx:
         return self._vjpkit_ctx.needs_input_grad
 
     def mark_non_differentiable(self, *outputs: Any) -> None:
-        self._vjpkit_ctx.mark_non_differentiable(*[_to_jax(t) for t in outputs])
+        self._vjpkit_ctx.mark_non_differentiable(*[to_jax(t) for t in outputs])
 
     def set_materialize_grads(self, value: bool) -> None:
         self._vjpkit_ctx.set_materialize_grads(value)
@@ -121,7 +120,7 @@ class TracedCtx:
         """Accepted: the in-place update already gave the stand-in its new value, which forward returns."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._vjpkit_ctx, name, jax.tree_util.tree_map(_hold, value, is_leaf=_is_tensor))
+        setattr(self._vjpkit_ctx, name, jax.tree_util.tree_map(_hold, value, is_leaf=is_tensor))
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._vjpkit_ctx, name)
@@ -155,7 +154,7 @@ class _NoRandomness(torch.overrides.TorchFunctionMode):
 
 
 _LIBRARIES = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (torch, jax, contextlib))
-_HERE = os.path.dirname(__file__) + os.sep
+_HERE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # vjpkit's own files
 
 
 def _user_line(tb: Any) -> str:
@@ -173,10 +172,8 @@ def _user_line(tb: Any) -> str:
 @contextlib.contextmanager
 def running(where: str, grad: bool) -> Iterator[None]:
     """Runs one of the original's methods: ``Untraceable`` says where; a value read on a meta tensor is one."""
-    before = _state["grad"]
-    _state["grad"] = grad
     try:
-        with torch.set_grad_enabled(grad), _NoRandomness():
+        with differentiated(grad), torch.set_grad_enabled(grad), _NoRandomness():
             yield
     except Untraceable as e:
         e.where = e.where or where
@@ -190,52 +187,43 @@ def running(where: str, grad: bool) -> Iterator[None]:
                               where=where)
         refusal.line = _user_line(e.__traceback__)
         raise refusal from e
-    finally:
-        _state["grad"] = before
 
 
 # ---------------------------------------------------------------------------
 # The fronts.
 
 
-def traced(obj: Any, mode: str, callbacks: Callable[[], Any]) -> Any:
-    """``from_torch(obj, mode="trace")``, or ``"auto"`` (``callbacks()``: ``obj`` by host callbacks)."""
-    if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)):
-        name = getattr(obj, "__name__", type(obj).__name__).replace("<lambda>", "lambda")
-        fn = trace_callable(obj, name)
+def wrap(origin: Origin, mode: str, callbacks: Callable[[], Any]) -> Any:
+    """``from_torch(original, mode="trace")``, or ``"auto"`` (``callbacks()``: the original by host callbacks)."""
+    name = origin.name
+    if not origin.is_class:
+        fn = trace_callable(origin.call, name)
         if mode == "auto":
             fn = auto(fn, callbacks(), name)
-        fn = functools.wraps(obj)(fn)
+        fn = functools.wraps(origin.original)(fn)
         fn._vjpkit_from_torch = True  # type: ignore[attr-defined]
         return fn
-    base = torch.autograd.Function
-    new_style = defines(obj, base, "setup_context")
-    if new_style and (defines(obj, base, "vmap") or getattr(obj, "generate_vmap_rule", False)):
+    if origin.batching_rule:
         if mode == "auto":
-            return Either(obj.__name__, always(callbacks().apply, "callback"))
-        raise Untraceable(f"{obj.__name__}.vmap", "is torch's batching rule; trace mode batches the traced "
+            return Either(name, always(callbacks().apply, "callback"))
+        raise Untraceable(f"{name}.vmap", "is torch's batching rule; trace mode batches the traced "
                           "operations and would ignore it (use mode='callback' or 'auto')")
-    params = list(inspect.signature(obj.forward).parameters.values())[0 if new_style else 1:]
-    backward = obj.backward if defines(obj, base, "backward") else None
     try:
-        cls = trace_function_class(
-            obj, params, new_style=new_style, has_backward=backward is not None, has_jvp=defines(obj, base, "jvp"),
-            once=backward is not None and is_torch_once_differentiable(backward))
+        cls = trace_function_class(origin)
     except Exception:
         if mode == "trace":
             raise
-        return Either(obj.__name__, always(callbacks().apply, "callback"))
+        return Either(name, always(callbacks().apply, "callback"))
     if mode == "trace":
         return cls
-    return Either(obj.__name__, auto(cls.apply, callbacks().apply, obj.__name__))
+    return Either(name, auto(cls.apply, callbacks().apply, name))
 
 
-def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backward: bool, has_jvp: bool,
-                         once: bool) -> Any:
-    """A vjpkit Function class running ``cls``'s methods as JAX operations."""
-    name = cls.__name__
+def trace_function_class(origin: Origin) -> Any:
+    """A vjpkit Function class running the original class's methods as JAX operations."""
+    cls, name, params, once = origin.original, origin.name, origin.params, origin.once
     keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
-    positional_names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional_names = origin.positional_names
     n_params = len(params)
 
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
@@ -247,7 +235,7 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
         positional, named = passed_arguments(positional_names, keyword_only, inputs)
         ctx.torch_inputs_passed = len(positional)  # torch's backward returns one gradient per positional input
         with torch.no_grad(), running(f"{name}.forward", grad=False):  # torch runs forward without grad
-            if new_style:
+            if origin.new_style:
                 out = cls.forward(*positional, **named)
                 cls.setup_context(tctx, inputs, out)
             else:
@@ -270,11 +258,11 @@ def trace_function_class(cls: Any, params: list, *, new_style: bool, has_backwar
     forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_ONLY),
          *(p if p.default is p.empty else p.replace(default=UNSET) for p in params)])
-    namespace: dict[str, Any] = {"__doc__": cls.__doc__, "__module__": __name__, "forward": staticmethod(forward),
+    namespace: dict[str, Any] = {"__doc__": origin.doc, "__module__": __name__, "forward": staticmethod(forward),
                                  "_vjpkit_from_torch": True}
-    if has_backward:
+    if origin.differentiable:
         namespace["backward"] = staticmethod(once_differentiable(backward) if once else backward)
-    if has_jvp:
+    if origin.has_jvp:
         namespace["jvp"] = staticmethod(jvp)
     return type(name, (Function,), namespace)
 

@@ -6,11 +6,11 @@ tensors sharing the arrays' memory, run on XLA's stream
 (``torch.cuda.ExternalStream``); on the CPU, CPU tensors sharing it. Torch's
 outputs are copied into the output buffers XLA hands the callback, on the
 same device (and stream). Where JAX lacks it (0.4.38 to 0.5), the callback
-is ``jax.pure_callback``'s (``_host.py``): host arrays in and out.
+is the core's ``jax.pure_callback`` (``_host.pure_callback``): host arrays in and out.
 
-The host function (``_from_torch``'s ``_host_forward`` and friends) is the
+The host function (``callback.py``'s ``_host_forward`` and friends) is the
 same on both paths: it takes DLPack-able inputs and returns its outputs
-through ``_from_torch``'s ``_to_numpy``, which asks ``keeps_tensors`` here
+through ``callback.py``'s ``_to_numpy``, which asks ``keeps_tensors`` here
 whether they leave as NumPy arrays (for ``pure_callback``) or stay torch
 tensors (to be written into XLA's buffers).
 """
@@ -21,8 +21,8 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
-from ._host import _pure_callback
-from ._jax_internals import buffer_callback_api
+from .._host import pure_callback
+from .._jax_internals import buffer_callback_api
 
 __all__ = ["as_output", "host_callbacks", "keeps_tensors", "torch_callback"]
 
@@ -61,7 +61,7 @@ def torch_callback(torch: Any, host: Callable, out_struct: Sequence[Any], *array
     """
     buffer_callback = buffer_callback_api()
     if buffer_callback is None or _state.host_only:
-        return _pure_callback(host, out_struct, *arrays, vmap_method=vmap_method)
+        return pure_callback(host, out_struct, *arrays, vmap_method=vmap_method)
 
     def on_buffers(ctx: Any, outs: Sequence[Any], *buffers: Any) -> None:
         with _on_xla_stream(torch, ctx, [*buffers, *outs]):
