@@ -12,6 +12,7 @@ import functools
 import inspect
 import linecache
 import os
+import traceback
 from typing import Any, Callable, Iterator
 
 import jax
@@ -160,12 +161,11 @@ _HERE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # vjpkit's own file
 def _user_line(tb: Any) -> str:
     """``file:line: source`` of the original's deepest frame in a traceback (where the refused call is)."""
     found = ""
-    while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
+    for entry in traceback.extract_tb(tb):
+        filename, line = entry.filename, entry.lineno or 0
         if not filename.startswith((_HERE, *_LIBRARIES)) and not filename.startswith("<"):
-            source = linecache.getline(filename, tb.tb_lineno).strip()
-            found = f"{filename}:{tb.tb_lineno}" + (f": {source}" if source else "")
-        tb = tb.tb_next
+            source = linecache.getline(filename, line).strip()
+            found = f"{filename}:{line}" + (f": {source}" if source else "")
     return found
 
 
