@@ -31,6 +31,7 @@ from .jacobian import (
     on_real_views,
     random_directions,
 )
+from .op_by_op import OpByOp
 from .options import Options, Tolerances
 from .ports import Inputs, Port, input_ports, signature
 
@@ -115,6 +116,7 @@ class CheckingProgram:
         self.op_by_op = equations >= _REPEATS_FOR_OP_BY_OP * kernels
         self.op_by_op_budget = _compile_seconds(equations)
         self.op_by_op_seconds: float | None = None  # from the second run on
+        self.eager = OpByOp(jaxpr)
 
     def __call__(self, *args: Any) -> Any:
         flat = jax.tree.leaves(args)
@@ -124,7 +126,7 @@ class CheckingProgram:
             out = self.compiled(*flat)
         else:
             start = time.perf_counter()
-            out = jax.block_until_ready(jaxpr_as_fun(self.jaxpr)(*flat))
+            out = jax.block_until_ready(self.eager(*flat))
             # The first run also compiles each kernel once; the runs after it are what op by op costs.
             seconds = 0.0 if self.op_by_op_seconds is None else self.op_by_op_seconds + time.perf_counter() - start
             self.op_by_op_seconds = seconds
