@@ -25,7 +25,7 @@ import os
 from typing import Any, Callable
 
 import jax
-from jax.extend.core import DropVar, Literal
+from jax.extend.core import Literal
 
 from .. import _jax_internals
 
@@ -43,11 +43,17 @@ class OpByOp:
                 if not isinstance(v, Literal):
                     last[v] = i
         for v in jaxpr.outvars:
-            last.pop(v, None)
-        # What each equation reads for the last time, so that the run holds only live values.
+            if not isinstance(v, Literal):
+                last[v] = len(jaxpr.eqns)
+        # What is dead after each equation (read for the last time, or never), so that a run holds
+        # only live values.
         self.dead_after: list[list] = [[] for _ in jaxpr.eqns]
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.outvars:
+                last.setdefault(v, i)
         for v, i in last.items():
-            self.dead_after[i].append(v)
+            if i < len(jaxpr.eqns):
+                self.dead_after[i].append(v)
 
     def __call__(self, *args: Any) -> list:
         # As jaxpr_as_fun: a NaN check would rerun each kernel and would stop at ops meant to make NaNs.
@@ -83,9 +89,7 @@ class OpByOp:
                 out = kernel(*ins)
             if not eqn.primitive.multiple_results:
                 out = [out]
-            for v, value in zip(eqn.outvars, out, strict=True):
-                if not isinstance(v, DropVar):
-                    env[v] = value
+            env.update(zip(eqn.outvars, out, strict=True))
             for v in dead:
                 del env[v]
         return [read(v) for v in jaxpr.outvars]
