@@ -145,7 +145,14 @@ def _compile_seconds(equations: int) -> float:
 
 def _equations_and_kernels(jaxpr: Any) -> tuple[int, int]:
     """The number of equations of ``jaxpr`` and of distinct kernels among them (primitive, types, parameters)."""
-    kernels = {(e.primitive, tuple(str(v.aval) for v in e.invars), repr(e.params)) for e in jaxpr.eqns}
+    kernels = set()
+    for e in jaxpr.eqns:
+        try:  # sub-jaxprs in parameters compare by identity: printing them would cost more than the trace
+            key: Any = (e.primitive, tuple(v.aval for v in e.invars), tuple(sorted(e.params.items())))
+            hash(key)
+        except TypeError:  # unhashable parameters
+            key = (e.primitive, tuple(str(v.aval) for v in e.invars), repr(e.params))
+        kernels.add(key)
     return len(jaxpr.eqns), len(kernels)
 
 
