@@ -1,6 +1,8 @@
 """vjpkit.gradcheck against torch.autograd.gradcheck and jax.test_util.check_grads.
 
     python benchmarks/gradcheck.py [--quick] [--bisection N]
+    python benchmarks/gradcheck.py --bisection-only [--bisection N[,N...]]        # 4. only
+    python benchmarks/gradcheck.py --breakdown [--quick] [--bisection N[,N...]]
     python benchmarks/gradcheck.py --sweep-sizes [--quick] [--json F.json] [--plot F.png]   # 5.
 
 The PyTorch tutorial's example: LinearFunction on inputs randn(20, 20) and
@@ -34,10 +36,17 @@ Jacobian.
    bisection is not its derivative); what is timed is the work of checking
    and reporting. Columns: the first call (vjpkit: tracing the loop, unrolled
    into thousands of equations that repeat a few dozen kernels, and running
-   it op by op, each kernel compiled once) and a warm call (still op by op:
+   it op by op, each distinct kernel compiled once, on a pool of threads as
+   many as the machine's cores) and a warm call (still op by op:
    the whole program is compiled only once op by op has cost as much); for
    vjpkit also the first call with the persistent compilation cache filled
    by an earlier process.
+
+``--breakdown``: where the bisection's first call goes (each length in a
+fresh process, under cProfile, which sees the calling thread only): tracing,
+lowering, XLA's compiling as far as the calling thread waits for it (the
+kernels' compiles on the pool overlap with lowering and running), and the
+rest.
 
 Targets: warm full gradcheck >= 50x faster than torch slow mode; fast_mode
 no slower than torch's; the bisection's first call within 2x torch's, and
