@@ -1,6 +1,8 @@
 """vjpkit.gradcheck against torch.autograd.gradcheck and jax.test_util.check_grads.
 
     python benchmarks/gradcheck.py [--quick] [--bisection N]
+    python benchmarks/gradcheck.py --bisection-only [--bisection N[,N...]]        # 4. only
+    python benchmarks/gradcheck.py --breakdown [--quick] [--bisection N[,N...]]
     python benchmarks/gradcheck.py --sweep-sizes [--quick] [--json F.json] [--plot F.png]   # 5.
 
 The PyTorch tutorial's example: LinearFunction on inputs randn(20, 20) and
@@ -34,10 +36,17 @@ Jacobian.
    bisection is not its derivative); what is timed is the work of checking
    and reporting. Columns: the first call (vjpkit: tracing the loop, unrolled
    into thousands of equations that repeat a few dozen kernels, and running
-   it op by op, each kernel compiled once) and a warm call (still op by op:
+   it op by op, each distinct kernel compiled once, on a pool of threads as
+   many as the machine's cores) and a warm call (still op by op:
    the whole program is compiled only once op by op has cost as much); for
    vjpkit also the first call with the persistent compilation cache filled
    by an earlier process.
+
+``--breakdown``: where the bisection's first call goes (each length in a
+fresh process, under cProfile, which sees the calling thread only): tracing,
+lowering, XLA's compiling as far as the calling thread waits for it (the
+kernels' compiles on the pool overlap with lowering and running), and the
+rest.
 
 Targets: warm full gradcheck >= 50x faster than torch slow mode; fast_mode
 no slower than torch's; the bisection's first call within 2x torch's, and
@@ -338,13 +347,23 @@ def bisections(args, torch):
                 [(n, *(f"{v:.2f}" for v in row.values())) for n, row in zip(lengths, rows, strict=True)])
 
 
-# Where a first call's time goes: JAX functions whose cumulative time is one phase. Compiling is
-# XLA's (the whole program, or each kernel run op by op); lowering is JAX's StableHLO emission.
+# Where a first call's time goes: functions whose cumulative time (on the calling thread) is one
+# phase. Compiling is XLA's: the whole program's, or, op by op, the kernels' compiles on a pool of
+# threads, of which the calling thread's waits for them count (the rest overlaps with lowering and
+# running); lowering is JAX's StableHLO emission.
 PHASES = {
     "trace": ("make_jaxpr_f", "make_jaxpr"),
     "lower": ("lower_jaxpr_to_module",),
-    "XLA compile": ("backend_compile_and_load", "backend_compile"),
+    "XLA compile (waited for)": ("backend_compile_and_load", "backend_compile", "Future.result"),
 }
+
+
+def _phase_seconds(stats, names):
+    """The outermost call's cumulative time among ``names`` (a recursive phase counted once); waits
+    for a thread's result (``Future.result``, a phase of its own where named) are added to it."""
+    waits = sum(v[3] for (file, _, name), v in stats.items()
+                if "Future.result" in names and name == "result" and file.endswith("_base.py"))
+    return max((v[3] for k, v in stats.items() if k[2] in names), default=0.0) + waits
 
 
 def first_call_breakdown(n_iter):
@@ -360,8 +379,7 @@ def first_call_breakdown(n_iter):
     stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
     phases = []
     for names in PHASES.values():
-        # The outermost call's cumulative time: a recursive phase is counted once.
-        phases.append(max((v[3] for k, v in stats.items() if k[2] in names), default=0.0))
+        phases.append(_phase_seconds(stats, names))
     return (total, *phases, total - sum(phases))
 
 

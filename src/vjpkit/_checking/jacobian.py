@@ -8,6 +8,7 @@ unless a report needs it. The building blocks run while the program is traced.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -46,6 +47,14 @@ def replace_at(x: tuple, k: int, value: Any) -> tuple:
     return x[:k] + (value,) + x[k + 1 :]
 
 
+# The checking program's own arithmetic (one-hot vectors, perturbed inputs, differences, comparisons)
+# is traced as calls of these jitted functions. Compiled whole, XLA inlines them: the same program.
+# Run op by op, each call is one kernel (a program of its own, compiled once per shape) where its
+# operations would be a kernel each: fewer kernels to compile, and the user's operations still each
+# run alone.
+
+
+@functools.partial(jax.jit, static_argnums=1)
 def _one_hot(i: jax.Array, shape: tuple) -> jax.Array:
     return (jnp.arange(int(np.prod(shape, dtype=np.int64))) == i).astype(jnp.float64).reshape(shape)
 
@@ -129,8 +138,8 @@ def _central_differences(t: _Trace, k: int, index: jax.Array) -> list:
 
     def column(i: jax.Array) -> tuple:
         e = _one_hot(i, xk.shape)
-        ys = _batched(lambda h: t.f(replace_at(t.x, k, xk + h * e)), t.steps, 2, t.per_item, t.notes, "fn")
-        return tuple(((y[0] - y[1]) * t.scale).reshape(-1) for y in ys)
+        ys = _batched(lambda h: t.f(replace_at(t.x, k, _shifted(xk, h, e))), t.steps, 2, t.per_item, t.notes, "fn")
+        return tuple(_difference(y, t.scale) for y in ys)
 
     return list(_batched(column, index, index.shape[0], 2 * t.per_item, t.notes, "fn"))
 
@@ -189,6 +198,19 @@ def _jvp_columns(t: _Trace, k: int) -> list:
     return [_rows(c) for c in _batched(column, jnp.arange(n), n, t.per_item, t.notes, "the JVP")]
 
 
+@jax.jit
+def _shifted(x: jax.Array, h: jax.Array, e: jax.Array) -> jax.Array:
+    """``x`` perturbed by ``h`` along ``e``."""
+    return x + h * e
+
+
+@jax.jit
+def _difference(y: jax.Array, scale: jax.Array) -> jax.Array:
+    """The central difference of the pair ``y`` (outputs at x + h e and x - h e), flat."""
+    return ((y[0] - y[1]) * scale).reshape(-1)
+
+
+@jax.jit
 def _failure(a: jax.Array, n: jax.Array, atol: Any, rtol: Any) -> jax.Array:
     """Whether ``allclose(a, n, rtol, atol)`` fails (NaN fails too).
 
@@ -198,6 +220,7 @@ def _failure(a: jax.Array, n: jax.Array, atol: Any, rtol: Any) -> jax.Array:
     return jnp.any(~(jnp.abs(a - n) <= atol + rtol * jnp.abs(n)))
 
 
+@jax.jit
 def _mismatch_row(a: jax.Array, n: jax.Array, atol: Any, rtol: Any) -> jax.Array:
     """One summary row for a small comparison: [failed, max |a - n|, elements failing]."""
     diff = jnp.abs(a - n)
@@ -366,10 +389,10 @@ def _fast_body(t: _Trace) -> tuple:
     numerical = []  # [k][j]: J_jk u_k by central differences
     for k, (xk, u) in enumerate(zip(t.x, us, strict=True)):
         def shifted(h: jax.Array, k: int = k, xk: jax.Array = xk, u: np.ndarray = u) -> tuple:
-            return t.f(replace_at(t.x, k, xk + h * u))
+            return t.f(replace_at(t.x, k, _shifted(xk, h, u)))
 
         out = _batched(shifted, t.steps, 2, t.per_item, t.notes, "fn")
-        numerical.append([((y[0] - y[1]) * t.scale).reshape(-1) for y in out])
+        numerical.append([_difference(y, t.scale) for y in out])
     blocks: dict = {"numerical": numerical}
     analytical = []  # [j][k]: v_j^T J_jk
     if t.pullback is not None:

@@ -31,6 +31,7 @@ from .jacobian import (
     on_real_views,
     random_directions,
 )
+from .op_by_op import OpByOp
 from .options import Options, Tolerances
 from .ports import Inputs, Port, input_ports, signature
 
@@ -115,6 +116,7 @@ class CheckingProgram:
         self.op_by_op = equations >= _REPEATS_FOR_OP_BY_OP * kernels
         self.op_by_op_budget = _compile_seconds(equations)
         self.op_by_op_seconds: float | None = None  # from the second run on
+        self.eager = OpByOp(jaxpr)
 
     def __call__(self, *args: Any) -> Any:
         flat = jax.tree.leaves(args)
@@ -124,7 +126,7 @@ class CheckingProgram:
             out = self.compiled(*flat)
         else:
             start = time.perf_counter()
-            out = jax.block_until_ready(jaxpr_as_fun(self.jaxpr)(*flat))
+            out = jax.block_until_ready(self.eager(*flat))
             # The first run also compiles each kernel once; the runs after it are what op by op costs.
             seconds = 0.0 if self.op_by_op_seconds is None else self.op_by_op_seconds + time.perf_counter() - start
             self.op_by_op_seconds = seconds
@@ -143,7 +145,14 @@ def _compile_seconds(equations: int) -> float:
 
 def _equations_and_kernels(jaxpr: Any) -> tuple[int, int]:
     """The number of equations of ``jaxpr`` and of distinct kernels among them (primitive, types, parameters)."""
-    kernels = {(e.primitive, tuple(str(v.aval) for v in e.invars), repr(e.params)) for e in jaxpr.eqns}
+    kernels = set()
+    for e in jaxpr.eqns:
+        try:  # sub-jaxprs in parameters compare by identity: printing them would cost more than the trace
+            key: Any = (e.primitive, tuple(v.aval for v in e.invars), tuple(sorted(e.params.items())))
+            hash(key)
+        except TypeError:  # unhashable parameters
+            key = (e.primitive, tuple(str(v.aval) for v in e.invars), repr(e.params))
+        kernels.add(key)
     return len(jaxpr.eqns), len(kernels)
 
 

@@ -46,6 +46,9 @@ ad.custom_lin_p (its rules wrapped to name a class)    all             none
 effects.ordered_effects                                all             none
 dispatch.runtime_tokens (its output tokens dropped     all             none
   after a failed effects barrier)
+dispatch.apply_primitive, xla_primitive_callable (the  all             none
+  kernel eager mode runs a primitive by); pjit.jit_p
+  (pjit_p before 0.7)
 pjit._pjit_transpose_trace (presence only)             0.4.38 to 0.7   none
 util.weakref_cache_key_types                           0.7 on          none
 api_util.debug_info, save_wrapped_fun_debug_info       0.7 on          none (found by the saver's name)
@@ -84,6 +87,7 @@ from .apis import (
 from .programs import (
     INLINE_INTO_CALLER,
     JAX_KEEPS_TRANSPOSED_JITS,
+    eager_kernel,
     effects_barrier,
     enable_x64,
     hold_weakly_in_caches,
@@ -130,8 +134,8 @@ __all__ = [
     "JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS", "LINEARIZE_IS_TOLD_FROM_VJP", "NEWEST_TESTED_JAX", "Primitive",
     "ShapedArray", "ShardingApi", "ad", "batch_example", "batched_aval", "batching", "buffer_callback_api",
     "cast_to_varying", "closed_over_tracer_type", "custom_jvp_rule_batching", "differentiating_here",
-    "differentiation", "effects_barrier", "enable_x64", "example_aval", "ffi_api", "hold_weakly_in_caches",
-    "is_batching",
+    "differentiation", "eager_kernel", "effects_barrier", "enable_x64", "example_aval", "ffi_api",
+    "hold_weakly_in_caches", "is_batching",
     "is_closed_over_differentiated_error", "is_staging", "linearize_inputs", "linearized_output", "mlir",
     "named_scope",
     "on_primal_trace", "on_trace", "ordered_effects_without_tokens", "partial_eval",

@@ -3,6 +3,7 @@ and the configuration a trace depends on."""
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any, Callable
 
@@ -41,6 +42,38 @@ def effects_barrier() -> None:
     except Exception:
         _runtime_tokens.output_runtime_tokens = {}
         raise
+
+
+# ---------------------------------------------------------------------------
+# dispatch: the kernel JAX outside ``jit`` runs a primitive by.
+
+_dispatch = _require_module("jax._src.dispatch")
+_apply_primitive = _require(_dispatch, "apply_primitive", "jax._src.dispatch")
+_xla_primitive_callable = _require(_dispatch, "xla_primitive_callable", "jax._src.dispatch")
+
+
+def eager_kernel(primitive: Any, params: dict) -> Any:
+    """The ``jax.jit`` of one primitive by which JAX outside ``jit`` runs ``primitive`` with ``params``.
+
+    None where eager mode does not run it as one compiled kernel: a call
+    into a sub-program (a custom derivative's call, a ``jit`` with compiler
+    options or shardings of its own) or a primitive with an implementation of
+    its own. Every supported JAX gives a kernel's primitive the implementation
+    ``partial(apply_primitive, primitive)``, which runs
+    ``xla_primitive_callable(primitive, **params)`` (cached).
+    """
+    impl = primitive.impl
+    if isinstance(impl, functools.partial) and impl.func is _apply_primitive and impl.args == (primitive,):
+        return _xla_primitive_callable(primitive, **params)
+    if primitive is _jit_p and not params.get("compiler_options_kvs") and all(
+            type(s).__name__ == "UnspecifiedValue" for s in (*params["in_shardings"], *params["out_shardings"])):
+        # Eager mode compiles a jit's program as a program of its own; here it is the one call of an
+        # enclosing jit, which XLA inlines: the same operations, compiled with the same options.
+        return _xla_primitive_callable(primitive, **params)
+    return None
+
+
+_jit_p = getattr(_pjit, "jit_p", None) or _require(_pjit, "pjit_p", "jax._src.pjit")
 
 
 # ---------------------------------------------------------------------------
