@@ -36,7 +36,7 @@ def test_no_core_module_imports_the_checking_package():
 # linear_call primitive, then the helpers everything shares. Each imports only modules below it.
 CORE = [
     "_function", "_dispatch", "_program", "_runner", "_host", "_ctx", "_outputs", "_tie", "_linear_call",
-    "_anomaly", "_once", "_args", "_sharding", "_tree", "_caches", "_callback_errors", "_jax_internals",
+    "_anomaly", "_once", "_args", "_sharding", "_tree", "_caches", "_callback_errors", "_jax_internals", "_site",
 ]
 OUTSIDE_THE_CORE = {"_from_torch.py", "_torch_device.py", "_torch_original.py", "_torch_shapes.py", "_torch_trace.py",
                     "_torch_special.py", "_torch_traced.py", "_torch_ops.py", "_torch_ops_shapes.py",

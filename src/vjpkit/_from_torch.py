@@ -1,20 +1,4 @@
-"""``from_torch``: an unported PyTorch Function (or any torch callable) run inside JAX.
-
-For example:
-
-```python
-class TExp(torch.autograd.Function):         # the original, unchanged
-    @staticmethod
-    def forward(ctx, x):
-        y = x.exp(); ctx.save_for_backward(y); return y
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors; return g * y
-
-Exp = vjpkit.from_torch(TExp)                # Exp.apply(x) takes JAX arrays
-jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))(x)
-soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1))
-```
+"""``from_torch``: an unported PyTorch Function (or any torch callable) run inside JAX (examples in its docstring).
 
 The original runs in a callback on tensors sharing the arrays' memory by
 DLPack: XLA's buffers on their device (``_torch_device.py``), or host arrays
@@ -54,6 +38,7 @@ from ._ctx import FunctionCtx
 from ._function import Function
 from ._once import call_without_derivative, once_differentiable
 from ._outputs import is_differentiable_dtype
+from ._site import see_catalogue
 from ._torch_device import as_output, keeps_tensors, torch_callback
 from ._torch_original import Origin, leaf_names, named_tuples, packing_extra_keywords
 from ._torch_shapes import FIXED_SHAPES, infer_outputs
@@ -95,6 +80,29 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
     on every call (a callback per call, forward run again to
     differentiate), it cannot be fused or sharded by XLA, and forward mode
     needs the original's ``jvp`` (or torch's forward AD, for a callable).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import torch
+        >>> import vjpkit
+        >>> class TorchCube(torch.autograd.Function):  # the original, unchanged
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> Cube = vjpkit.from_torch(TorchCube)  # Cube.apply takes JAX arrays
+        >>> x = jnp.array([1.0, 2.0])
+        >>> jax.jit(jax.grad(lambda x: Cube.apply(x).sum()))(x).tolist()
+        [3.0, 12.0]
+        >>> softmax = vjpkit.from_torch(lambda x: torch.softmax(x, -1))
+        >>> softmax(jnp.zeros(4)).tolist()
+        [0.25, 0.25, 0.25, 0.25]
     """
     if mode not in _MODES:
         raise ValueError(f"vjpkit.from_torch: mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}.")
@@ -383,7 +391,8 @@ class _Program:
         # vjpkit differentiates a once_differentiable Function's forward itself for a
         # second derivative: that must raise the decorator's error, not JAX's callback one.
         message = (f"{self.origin.backward_name} is decorated with @once_differentiable, so it cannot be "
-                   "differentiated (a second derivative such as jax.hessian or grad of grad was asked for).")
+                   "differentiated (a second derivative such as jax.hessian or grad of grad was asked for). "
+                   f"{see_catalogue('once-differentiable-differentiated-twice')}")
         return list(call_without_derivative(forward_of_arrays, list(arrays), message))
 
     def vjp(self, wanted: tuple, given: tuple) -> Any:
