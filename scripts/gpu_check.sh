@@ -102,9 +102,10 @@ if [ "$FAILED" = 1 ]; then  # not a GPU machine (or no JAX): the rest would only
     exit 1
 fi
 
-# The suite first (what matters most, if time runs short): addopts' --maxprocesses would cap the workers at 4.
+# The suite first (what matters most, if time runs short): addopts' --maxprocesses would cap the workers at 4,
+# so addopts is replaced, with its --doctest-modules kept (the docstrings' examples, src/vjpkit).
 step suite "$SUITE_TIMEOUT_S" "$PYTHON" -m pytest -p no:cacheprovider -o addopts= -q -n "$WORKERS" --dist loadfile \
-    -rfE --durations=5
+    --doctest-modules -rfE --durations=5
 
 step pallas 60 "$PYTHON" examples/pallas_layernorm.py
 

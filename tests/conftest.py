@@ -31,6 +31,7 @@ import subprocess
 import sys
 
 import pytest
+from _pytest.doctest import DoctestModule  # pytest exports DoctestItem, not the module collector
 from hypothesis import HealthCheck, settings
 
 # One OpenMP thread for torch (and NumPy's BLAS), here and in every subprocess
@@ -118,6 +119,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("thorough"):
             item.add_marker(pytest.mark.skip(reason=THOROUGH_ONLY))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(file_path, parent):
+    """The tests' own files are collected as tests, never for doctests.
+
+    ``--doctest-modules`` (pyproject.toml) is for vjpkit's docstrings
+    (src/vjpkit, src/conftest.py). Collecting this folder for doctests would
+    import every helper and script in it, and a script's top level may need
+    several devices (tests/ports/allgather_script.py builds a mesh of four).
+    """
+    collected = yield
+    return [node for node in collected if not isinstance(node, DoctestModule)]
 
 
 def _fail_unexpected_skip(report):

@@ -103,7 +103,7 @@ def test_inside_the_block_jit_errors_carry_the_message():
 EXP_NAN_MESSAGE = (
     "Exp.backward returned nan in gradient 0 (input 'x'): 1 nan of 3 elements (the first at index (0,)). Found by "
     "vjpkit.detect_anomaly; look for a division by zero, a log or sqrt at 0, or an overflow in Exp.backward, or "
-    "NaN/Inf in the incoming gradient."
+    "NaN/Inf in the incoming gradient. See https://vjpkit.github.io/vjpkit/errors/#nan-in-backward"
 )
 
 

@@ -28,6 +28,7 @@ def test_the_dry_run_lists_every_step_and_runs_nothing():
     ]
     suite = next(line for line in done.stdout.splitlines() if line.startswith("suite"))
     assert "-m pytest" in suite and "-n 15" in suite and "-o addopts=" in suite
+    assert "--doctest-modules" in suite  # the docstrings' examples, which the cleared addopts held
     assert "logs in (none: a dry run)" in done.stdout
 
 

@@ -100,7 +100,7 @@ def test_no_private_names_imported_across_packages():
 # linear_call primitive, then the helpers everything shares. Each imports only modules below it.
 CORE = [
     "_function", "_dispatch", "_program", "_runner", "_host", "_ctx", "_outputs", "_tie", "_linear_call",
-    "_anomaly", "_once", "_args", "_sharding", "_tree", "_caches", "_callback_errors", "_jax_internals",
+    "_anomaly", "_once", "_args", "_sharding", "_tree", "_caches", "_callback_errors", "_jax_internals", "_site",
 ]
 # Built on the core, with the core's names without an underscore: C++ kernels, and from_torch's bridge.
 BUILT_ON_THE_CORE = ["_torch", "cpp_extension"]

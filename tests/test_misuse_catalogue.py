@@ -4,20 +4,28 @@ exactly the message shown there.
 docs/errors.md lists every error PyTorch raises for misusing a custom
 Function with its vjpkit counterpart. Each ``### `id` `` section holds a
 ```python block (run after the page's first block, the prelude) and a
-```text block: ``ExceptionType: message``, or its beginning followed by
-``...``. One test per section, named by its id.
+```text block: ``ExceptionType: message``, where ``[...]`` stands for a part
+left out (JAX's report, a file and line). One test per section, named by its
+id. Each message ends with a link to its own section
+(``vjpkit._site.see_catalogue``), and every id the source links to is a
+section (tests/test_site.py: an anchor of the built page, too).
 """
 
+import ast
 import pathlib
 import re
 
 import jax
 import pytest
 
-# Internals on purpose: a host Function's own exception, carried beside JAX's runtime error.
+# Internals on purpose: a host Function's own exception, carried beside JAX's runtime error;
+# and the link that ends each message.
 from vjpkit import _callback_errors
+from vjpkit._site import see_catalogue
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "errors.md"
+SOURCE = ROOT / "src" / "vjpkit"
 
 # Every misuse PyTorch reports for a custom Function (issue 7's list, and the
 # rest of PyTorch's custom-Function errors) must keep its section.
@@ -65,14 +73,61 @@ def raised(prelude: str, code: str) -> str:
 PRELUDE, ENTRIES = parse(DOC.read_text())
 
 
+LEFT_OUT = "[...]"
+
+
+def shown(expected: str, got: str) -> bool:
+    """Whether ``got`` is the message ``expected`` shows, each ``[...]`` standing for any text."""
+    pattern = ".*".join(map(re.escape, expected.split(LEFT_OUT)))
+    return re.fullmatch(pattern, got, flags=re.S) is not None
+
+
 @pytest.mark.parametrize("ident", sorted(ENTRIES))
 def test_example_raises_the_documented_message(ident):
     code, expected = ENTRIES[ident]
     got = raised(PRELUDE, code)
-    if expected.endswith("..."):
-        assert got.startswith(expected[:-3]), f"{ident}: raised\n{got}\nexpected\n{expected}"
-    else:
-        assert got == expected, f"{ident}: raised\n{got}\nexpected\n{expected}"
+    assert shown(expected, got), f"{ident}: raised\n{got}\nexpected\n{expected}"
+
+
+# What may follow the link: JAX's report, quoted after vjpkit's text (a JAX error type's text ends with a link of
+# JAX's own).
+_QUOTED_AFTER = "\n\nJAX's report:\n"
+
+
+@pytest.mark.parametrize("ident", sorted(ENTRIES))
+def test_message_ends_with_the_link_to_its_own_section(ident):
+    # The message shown is the one raised (the test above), so the raised one ends with it too.
+    link = see_catalogue(ident)
+    assert link == f"See https://vjpkit.github.io/vjpkit/errors/#{ident}"
+    expected = ENTRIES[ident][1]
+    assert expected.count(link) == 1, ident
+    before, after = expected.split(link)
+    assert before.endswith(" "), ident  # a sentence of its own
+    assert after == "" or after.startswith(_QUOTED_AFTER), ident
+
+
+def linked_ids() -> dict:
+    """Every catalogue id the source links to (``see_catalogue("id")``), with where: {id: [file:line]}."""
+    found: dict = {}
+    for path in sorted(SOURCE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "see_catalogue":
+                where = f"{path.relative_to(SOURCE)}:{node.lineno}"
+                (argument,) = node.args
+                assert isinstance(argument, ast.Constant) and isinstance(argument.value, str), (
+                    f"{where}: see_catalogue takes the id as a literal string (this test reads it)")
+                found.setdefault(argument.value, []).append(where)
+    return found
+
+
+def test_every_id_the_source_links_to_is_a_section():
+    linked = linked_ids()
+    assert len(linked) >= len(ENTRIES)  # the search found the calls
+    assert {ident: where for ident, where in linked.items() if ident not in ENTRIES} == {}
+
+
+def test_every_section_is_linked_from_the_source():
+    assert sorted(set(ENTRIES) - set(linked_ids())) == []
 
 
 def test_every_pytorch_misuse_has_a_section():
@@ -80,7 +135,7 @@ def test_every_pytorch_misuse_has_a_section():
 
 
 _NAMES_THE_CLASS = re.compile(
-    r"\b(Bad|Leaky|NoBackward|ReverseOnly|OnlyForward|Square|Empty|NoArray|NoReturn|HostCode|Mul|NoCtx|Kw|Exp)\b"
+    r"\b(Bad|Leaky|NoBackward|ReverseOnly|Square|Empty|NoArray|NoReturn|HostCode|Mul|NoCtx|Kw|Exp)\b"
 )
 
 

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _callback_errors, _jax_internals, _sharding
+from ._site import see_catalogue
 from ._tree import Partition
 
 # Thread-local, and in JAX's jit and trace cache keys (see _jax_internals).
@@ -82,13 +83,6 @@ def enabled() -> bool:
 def detect_anomaly() -> Iterator[None]:
     """Checks every vjpkit Function's outputs, gradients and tangents for NaN/Inf.
 
-    For example:
-
-    ```python
-    with vjpkit.detect_anomaly():
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    ```
-
     The first NaN or Inf that a Function's ``forward``, ``backward`` or
     ``jvp`` returns raises ``FloatingPointError``, e.g.
     ``Exp.backward returned nan in gradient 0 (input 'x'): ...``, from the
@@ -106,6 +100,34 @@ def detect_anomaly() -> Iterator[None]:
     thread-local; code that ``jax.jit`` compiled outside the block is traced
     again inside it, so that its Functions are checked. Under ``jax.vmap``
     the host check runs once per batch element (JAX unrolls callbacks).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import vjpkit
+        >>> class Sqrt(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         y = jnp.sqrt(x)
+        ...         ctx.save_for_backward(y)
+        ...         return y
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (y,) = ctx.saved_tensors
+        ...         return g / (2 * y)
+        >>> x = jnp.array([4.0, 0.0])
+        >>> jax.grad(lambda x: Sqrt.apply(x).sum())(x).tolist()  # unchecked
+        [0.25, inf]
+        >>> with vjpkit.detect_anomaly():
+        ...     jax.grad(lambda x: Sqrt.apply(x).sum())(x)
+        Traceback (most recent call last):
+        ...
+        FloatingPointError: Sqrt.backward returned inf in gradient 0 (input 'x'):
+        1 inf of 2 elements (the first at index (1,)). Found by
+        vjpkit.detect_anomaly; look for a division by zero, a log or sqrt at 0,
+        or an overflow in Sqrt.backward, or NaN/Inf in the incoming gradient.
+        See https://vjpkit.github.io/vjpkit/errors/#nan-in-backward
     """
     _quiet_jax_callback_log()
     with _ACTIVE_LOCK:
@@ -215,7 +237,7 @@ def anomaly_message(owner: str, method: str, where: str, shape: tuple, n_nan: in
     return (
         f"{owner}.{method} returned {kind} in {where}: {counts} of {size} "
         f"element{'s' if size != 1 else ''} (the first at index {index}). "
-        f"Found by vjpkit.detect_anomaly; {cause}."
+        f"Found by vjpkit.detect_anomaly; {cause}. {see_catalogue('nan-in-backward')}"
     )
 
 

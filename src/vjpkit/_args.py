@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._site import see_catalogue
 from ._tree import Partition, is_array, partition
 
 _MISSING = object()
@@ -41,7 +42,7 @@ class Signature:
                 raise TypeError(
                     f"{owner}.forward must take ctx as its first parameter "
                     "(forward(ctx, *inputs)), or define setup_context(ctx, "
-                    "inputs, output) and take only the inputs."
+                    f"inputs, output) and take only the inputs. {see_catalogue('forward-without-ctx')}"
                 )
             params = params[1:]
         positional, keyword_only = [], []
@@ -57,7 +58,7 @@ class Signature:
                 raise TypeError(
                     f"{owner}.forward takes **{p.name}; vjpkit needs every input "
                     "to be a named parameter (or *args), so that backward can "
-                    "return one gradient per input."
+                    f"return one gradient per input. {see_catalogue('forward-with-var-keyword')}"
                 )
         self.positional = tuple(p.name for p in positional)
         self.keyword_only = tuple(p.name for p in keyword_only)
@@ -83,7 +84,7 @@ class Signature:
             raise TypeError(
                 f"{self.owner}.apply takes {n_pos} positional argument"
                 f"{'s' if n_pos != 1 else ''} ({', '.join(self.positional)}) "
-                f"but {len(args)} were given"
+                f"but {len(args)} were given. {see_catalogue('apply-with-too-many-arguments')}"
             )
         values = list(args[:n_pos]) + [_MISSING] * (n_pos - min(len(args), n_pos))
         extra = args[n_pos:]
@@ -97,14 +98,16 @@ class Signature:
             elif name in keyword:
                 keyword[name] = value
             else:
-                raise TypeError(f"{self.owner}.apply got an unexpected keyword argument {name!r}")
+                raise TypeError(f"{self.owner}.apply got an unexpected keyword argument {name!r}. "
+                                f"{see_catalogue('apply-with-an-unexpected-keyword')}")
         names = (*self.positional, *self.keyword_only)
         bound = [*values, *keyword.values()]
         for i, (name, value) in enumerate(zip(names, bound, strict=True)):
             if value is _MISSING:
                 value = self.defaults.get(name, _MISSING)
                 if value is _MISSING:
-                    raise TypeError(f"{self.owner}.apply missing required argument {name!r}")
+                    raise TypeError(f"{self.owner}.apply missing required argument {name!r}. "
+                                    f"{see_catalogue('apply-with-a-missing-argument')}")
                 bound[i] = value
         return (*bound[:n_pos], *extra, *bound[n_pos:])
 

@@ -17,16 +17,29 @@ def on_clear(clear: Callable[[], None]) -> Callable[[], None]:
 def clear_caches() -> None:
     """Drops every compiled program vjpkit holds: each Function's, and gradcheck's checkers.
 
-    For example:
-
-    ```python
-    vjpkit.clear_caches()
-    ```
-
     The next call of each Function (and the next gradient check) traces and
     compiles again. Functions and checked functions that are deleted free
     their programs by themselves; this is for freeing memory, or starting
     measurements from a cold cache, while they are alive.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import vjpkit
+        >>> class Double(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         return 2 * x
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         return 2 * g
+        >>> Double.apply(jnp.ones(2)).tolist()
+        [2.0, 2.0]
+        >>> Double.cache_info().programs
+        1
+        >>> vjpkit.clear_caches()
+        >>> Double.cache_info().programs
+        0
     """
     for clear in _CLEARS:
         clear()

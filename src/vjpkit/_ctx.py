@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import jax
 
 from ._outputs import short_repr
+from ._site import see_catalogue
 from ._tree import is_array
 
 
@@ -29,6 +30,32 @@ class FunctionCtx:
     A ctx lives for one call of the user's method: once that call returns,
     vjpkit closes it, and a ctx kept by user code raises when used again
     (its arrays would be tracers of a finished trace).
+
+    Attributes:
+        needs_input_grad: One bool per forward input, True where JAX
+            differentiates it (a tuple; in forward, backward and jvp).
+        saved_tensors: What ``save_for_backward`` saved, as a tuple (in
+            ``jvp``: what ``save_for_forward`` saved).
+
+    Any other attribute set in forward (``ctx.scale = 2.0``) is the user's,
+    and reads back in backward and jvp.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import vjpkit
+        >>> class Scale(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x, factor):
+        ...         ctx.factor = factor  # not an array: static data
+        ...         return factor * x
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         return ctx.factor * g, None
+        >>> x = jnp.array([1.0, 2.0])
+        >>> jax.grad(lambda x: Scale.apply(x, 3.0).sum())(x).tolist()
+        [3.0, 3.0]
     """
 
     # Internal state in slots; user attributes go to ``__dict__``, which is
@@ -75,7 +102,7 @@ class FunctionCtx:
                 f"belongs to had finished (this ctx was {self._vjpkit_name}."
                 f"{self._vjpkit_method}'s). A ctx is only valid inside forward, "
                 "setup_context, backward or jvp; keep values on ctx for backward "
-                "instead of keeping the ctx itself."
+                f"instead of keeping the ctx itself. {see_catalogue('ctx-used-after-the-call')}"
             )
 
     def __getattr__(self, name: str) -> Any:
@@ -86,7 +113,8 @@ class FunctionCtx:
             self._check_open(name)
         raise AttributeError(
             f"{self._vjpkit_name}.{self._vjpkit_method}: ctx has no attribute "
-            f"{name!r}; set it in forward (ctx.{name} = ...) to read it here."
+            f"{name!r}; set it in forward (ctx.{name} = ...) to read it here. "
+            f"{see_catalogue('missing-ctx-attribute')}"
         )
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -103,23 +131,89 @@ class FunctionCtx:
                     f"{self._vjpkit_name}.{self._vjpkit_method}: {method} takes "
                     f"arrays or None, but argument {i} is {type(x).__name__} "
                     f"({short_repr(x)}). Store non-array values as ctx "
-                    f"attributes instead (ctx.value = ...)."
+                    f"attributes instead (ctx.value = ...). "
+                    + (see_catalogue("save-a-non-array") if method == "save_for_backward"
+                       else see_catalogue("save-for-forward-a-non-array"))
                 )
         return xs
 
     def save_for_backward(self, *xs: Any) -> None:
-        """Saves arrays (or ``None``) for ``backward``; the last call wins."""
+        """Saves arrays (or ``None``) for ``backward``; the last call wins.
+
+        backward reads them back as ``ctx.saved_tensors``. Arrays are
+        residuals: kept from forward to backward by JAX (under ``jit``, by
+        XLA).
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class Mul(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x, y, bias=None):
+            ...         ctx.save_for_backward(x, y, bias)
+            ...         return x * y if bias is None else x * y + bias
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g):
+            ...         x, y, bias = ctx.saved_tensors
+            ...         return g * y, g * x, None if bias is None else g
+            >>> x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+            >>> jax.grad(lambda x: Mul.apply(x, y).sum())(x).tolist()
+            [3.0, 4.0]
+        """
         self._check_open("save_for_backward")
         _set(self, "_vjpkit_saved", self._check_saveable("save_for_backward", xs))
 
     def save_for_forward(self, *xs: Any) -> None:
-        """Saves arrays (or ``None``) for ``jvp``; the last call wins."""
+        """Saves arrays (or ``None``) for ``jvp``; the last call wins.
+
+        jvp reads them back as ``ctx.saved_tensors``.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class Cube(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x):
+            ...         ctx.save_for_forward(x)
+            ...         return x**3
+            ...
+            ...     @staticmethod
+            ...     def jvp(ctx, t):
+            ...         (x,) = ctx.saved_tensors
+            ...         return 3 * x**2 * t
+            >>> x = jnp.array([1.0, 2.0])
+            >>> jax.jvp(Cube.apply, (x,), (jnp.ones(2),))[1].tolist()
+            [3.0, 12.0]
+        """
         self._check_open("save_for_forward")
         _set(self, "_vjpkit_saved_forward", self._check_saveable("save_for_forward", xs))
 
     @property
     def saved_tensors(self) -> tuple:
-        """What ``save_for_backward`` saved (in ``jvp``: ``save_for_forward``)."""
+        """What ``save_for_backward`` saved (in ``jvp``: ``save_for_forward``), as a tuple.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class Exp2(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x):
+            ...         y = 2.0**x
+            ...         ctx.save_for_backward(y)
+            ...         return y
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g):
+            ...         (y,) = ctx.saved_tensors  # a tuple, even of one array
+            ...         return g * y * jnp.log(2.0)
+            >>> g = jax.grad(lambda x: Exp2.apply(x).sum())(jnp.array([0.0, 1.0]))
+            >>> [round(v, 4) for v in g.tolist()]
+            [0.6931, 1.3863]
+        """
         self._check_open("saved_tensors")
         return self._vjpkit_saved_forward if self._vjpkit_in_jvp else self._vjpkit_saved
 
@@ -137,12 +231,67 @@ class FunctionCtx:
 
     @property
     def needs_input_grad(self) -> tuple[bool, ...]:
-        """One bool per forward parameter: True when JAX differentiates it."""
+        """One bool per forward parameter: True when JAX differentiates it.
+
+        backward may skip the gradients nobody asked for (returning ``None``
+        for them); static (non-array) inputs are always False.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class Mul(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x, y):
+            ...         ctx.save_for_backward(x, y)
+            ...         return x * y
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g):
+            ...         print("needs_input_grad:", ctx.needs_input_grad)
+            ...         x, y = ctx.saved_tensors
+            ...         gx = g * y if ctx.needs_input_grad[0] else None
+            ...         gy = g * x if ctx.needs_input_grad[1] else None
+            ...         return gx, gy
+            >>> x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+            >>> jax.grad(lambda x: Mul.apply(x, y).sum())(x).tolist()
+            needs_input_grad: (True, False)
+            [3.0, 4.0]
+        """
         self._check_open("needs_input_grad")
         return self._vjpkit_needs
 
     def mark_non_differentiable(self, *outputs: Any) -> None:
-        """Declares outputs (by identity) that carry no gradient."""
+        """Declares outputs (by identity) that carry no gradient.
+
+        backward still receives a gradient for each of them (zeros), and
+        their own derivative is zero.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class ClipWithMask(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x):
+            ...         mask = (jnp.abs(x) <= 1.0).astype(x.dtype)
+            ...         ctx.mark_non_differentiable(mask)
+            ...         ctx.save_for_backward(mask)
+            ...         return jnp.clip(x, -1.0, 1.0), mask
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g, g_mask):
+            ...         (mask,) = ctx.saved_tensors
+            ...         return g * mask
+            >>> x = jnp.array([-2.0, 0.5, 3.0])
+            >>> clipped, mask = ClipWithMask.apply(x)
+            >>> clipped.tolist(), mask.tolist()
+            ([-1.0, 0.5, 1.0], [0.0, 1.0, 0.0])
+            >>> jax.grad(lambda x: ClipWithMask.apply(x)[0].sum())(x).tolist()
+            [0.0, 1.0, 0.0]
+            >>> jax.grad(lambda x: ClipWithMask.apply(x)[1].sum())(x).tolist()
+            [0.0, 0.0, 0.0]
+        """
         self._check_open("mark_non_differentiable")
         for i, x in enumerate(outputs):
             if not is_array(x):
@@ -151,12 +300,37 @@ class FunctionCtx:
                     f"mark_non_differentiable takes output arrays, but argument "
                     f"{i} is {type(x).__name__} ({short_repr(x)}). Non-array "
                     "outputs are static and carry no gradient anyway; pass "
-                    "only the output arrays that should carry none."
+                    "only the output arrays that should carry none. "
+                    f"{see_catalogue('mark-non-differentiable-a-non-array')}"
                 )
         _set(self, "_vjpkit_non_differentiable", outputs)
 
     def set_materialize_grads(self, value: bool) -> None:
-        """False: absent output gradients reach backward as None, not zeros."""
+        """False: absent output gradients reach backward as None, not zeros.
+
+        An output's gradient is absent where the loss does not use it, or
+        the output is marked non-differentiable. The default (True) gives
+        backward zeros of the output's shape.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class Split(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x):
+            ...         ctx.set_materialize_grads(False)
+            ...         return 2 * x, 3 * x
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g_double, g_triple):
+            ...         print("g_triple:", g_triple)
+            ...         g = 2 * g_double
+            ...         return g if g_triple is None else g + 3 * g_triple
+            >>> jax.grad(lambda x: Split.apply(x)[0].sum())(jnp.array([1.0, 2.0])).tolist()
+            g_triple: None
+            [2.0, 2.0]
+        """
         self._check_open("set_materialize_grads")
         _set(self, "_vjpkit_materialize", bool(value))
 
@@ -166,6 +340,40 @@ class FunctionCtx:
         JAX arrays are immutable, so this only records the intent (PyTorch's
         in-place ops become functional updates); an argument that is not
         one of forward's inputs raises.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class AddOne(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x):
+            ...         ctx.mark_dirty(x)
+            ...         return x + 1  # x's new value: PyTorch's x.add_(1)
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g):
+            ...         return g
+            >>> AddOne.apply(jnp.array([1.0, 2.0])).tolist()
+            [2.0, 3.0]
+
+            Marking what is not an input raises, linking to the misuse
+            catalogue:
+
+            >>> class Bad(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x):
+            ...         y = x + 1
+            ...         ctx.mark_dirty(y)
+            ...         return y
+            >>> Bad.apply(jnp.array([1.0, 2.0]))
+            Traceback (most recent call last):
+            ...
+            ValueError: Bad.forward: mark_dirty argument 0 (array of shape (2,) and
+            dtype float32) is not an input of forward; only inputs can be marked
+            dirty. Pass the input whose new value forward returns (x, not the
+            result of x.at[i].set(v)); a new array needs no marking.
+            See https://vjpkit.github.io/vjpkit/errors/#mark-dirty-a-non-input
         """
         self._check_open("mark_dirty")
         input_ids = {id(leaf) for leaf in jax.tree_util.tree_leaves(self._vjpkit_inputs)}
@@ -176,7 +384,7 @@ class FunctionCtx:
                     f"argument {i} ({short_repr(x)}) is not an input of "
                     "forward; only inputs can be marked dirty. Pass the input "
                     "whose new value forward returns (x, not the result of "
-                    "x.at[i].set(v)); a new array needs no marking."
+                    f"x.at[i].set(v)); a new array needs no marking. {see_catalogue('mark-dirty-a-non-input')}"
                 )
         _set(self, "_vjpkit_dirty", inputs)
 

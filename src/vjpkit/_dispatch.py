@@ -17,11 +17,39 @@ from ._caches import on_clear
 from ._outputs import Packed
 from ._program import Program, no_forward_mode
 from ._runner import Spec
+from ._site import see_catalogue
 from ._tree import Partition, Unkeyable, dict_key_types, find_tracer, is_array, lift_static_tracers, static_key
 
 
 class CacheInfo(NamedTuple):
-    """What a Function's compile cache holds (``Sub.cache_info()``)."""
+    """What a Function's compile cache holds (``Sub.cache_info()``).
+
+    Attributes:
+        programs: The static signatures currently cached, one compiled
+            program each.
+        maxsize: The class's ``cache_size``: beyond it the least recently
+            used program is dropped.
+        hits: Calls that found their program cached.
+        misses: Calls that traced forward anew to make a program.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import vjpkit
+        >>> class Double(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         return 2 * x
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         return 2 * g
+        >>> _ = Double.apply(jnp.ones(3)), Double.apply(jnp.ones(3))
+        >>> info = Double.cache_info()
+        >>> info
+        CacheInfo(programs=1, maxsize=256, hits=1, misses=1)
+        >>> info.hits / (info.hits + info.misses)
+        0.5
+    """
 
     programs: int  # static signatures currently cached
     maxsize: int  # least recently used programs are dropped beyond this
@@ -37,7 +65,8 @@ def _closed_over_differentiated(spec: Spec, how: str) -> TypeError:
         f"{spec.name}.apply(lambda x: f(x, w), x) under jax.grad with respect to w, or a class defined "
         f"inside the differentiated function using its variables). {spec.name}'s derivative covers "
         f"apply's arguments only, so pass the value as an argument of its own ({spec.name}.apply(f, x, w), "
-        f"with f taking it) and return its gradient from {spec.name}.backward (its tangent from jvp)."
+        f"with f taking it) and return its gradient from {spec.name}.backward (its tangent from jvp). "
+        f"{see_catalogue('closure-over-a-differentiated-value')}"
     )
 
 
@@ -50,8 +79,9 @@ def _leaked_tracer(spec: Spec, e: UnexpectedTracerError) -> UnexpectedTracerErro
         "arrays (inputs, results, saved tensors) are tracers, valid only during "
         "that call; one kept by user code (in a list, a global, a class or a kept "
         "ctx) fails when used later. Return it from forward as an extra output "
-        "instead (ctx.mark_non_differentiable if it needs no gradient).\n\n"
-        f"JAX's report:\n{e}"
+        "instead (ctx.mark_non_differentiable if it needs no gradient). "
+        # JAX's error types end their text with a link of their own, so vjpkit's ends its part.
+        f"{see_catalogue('leaked-array-used-after-the-call')}\n\nJAX's report:\n{e}"
     )
 
 

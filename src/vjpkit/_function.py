@@ -22,6 +22,7 @@ from typing import Any, Callable
 from ._ctx import FunctionCtx
 from ._dispatch import CacheInfo, _Cache, _make_apply
 from ._runner import Spec
+from ._site import page, see_catalogue
 
 
 class _FunctionMeta(type):
@@ -57,23 +58,9 @@ class _FunctionMeta(type):
 class Function(metaclass=_FunctionMeta):
     """Base class for custom-gradient functions, written as in PyTorch.
 
-    For example:
-
-    ```python
-    class Exp(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = jnp.exp(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return g * y
-
-    jax.grad(lambda x: Exp.apply(x).sum())(x)   # or Exp(x)
-    ```
+    Subclass it with a static ``forward(ctx, *inputs)`` and
+    ``backward(ctx, *grad_outputs)``; ``apply`` (or calling the class) runs
+    it, and JAX differentiates it with ``backward``.
 
     The key differences to ``jax.custom_vjp`` are:
 
@@ -88,6 +75,46 @@ class Function(metaclass=_FunctionMeta):
     ``apply`` is jit-compiled (one program per static signature); set the
     class attribute ``jit = False`` to run forward op by op for debugging.
     forward and backward run while JAX traces, not on every call.
+
+    Attributes:
+        jit: Compile ``apply`` with ``jax.jit``, one program per static
+            signature (default True). False runs forward op by op, so that
+            ``print`` in forward shows values.
+        cache_size: How many compiled programs (static signatures) the class
+            keeps; beyond it the least recently used is dropped (default 256).
+        host: forward and backward are NumPy code, run on the host through
+            ``jax.pure_callback`` (default False).
+        vmap_method: How ``jax.vmap`` batches a host Function's callbacks:
+            ``"sequential"`` (the default), ``"expand_dims"`` or
+            ``"broadcast_all"``.
+        generate_vmap_rule: PyTorch's flag (default False). ``jax.vmap``
+            batches forward as written either way, unless the class defines
+            a ``vmap`` staticmethod, which True forbids (as in PyTorch).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import vjpkit
+        >>> class Cube(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> x = jnp.array([1.0, 2.0, 3.0])
+        >>> Cube.apply(x).tolist()
+        [1.0, 8.0, 27.0]
+        >>> jax.grad(lambda x: Cube.apply(x).sum())(x).tolist()
+        [3.0, 12.0, 27.0]
+
+        Under any transformation; calling the class is calling ``apply``:
+
+        >>> jax.jit(jax.vmap(jax.grad(Cube)))(x).tolist()
+        [3.0, 12.0, 27.0]
     """
 
     jit: bool = True
@@ -104,29 +131,164 @@ class Function(metaclass=_FunctionMeta):
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple, output: Any) -> None:
-        """PyTorch 2.x style: fills ``ctx`` from forward's inputs and output."""
+        """PyTorch 2.x style: fills ``ctx`` from forward's inputs and output.
+
+        Defined, it makes forward take only the inputs (no ``ctx``), as in
+        PyTorch; it runs right after forward.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class Mul(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(x, y):
+            ...         return x * y
+            ...
+            ...     @staticmethod
+            ...     def setup_context(ctx, inputs, output):
+            ...         ctx.save_for_backward(*inputs)
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g):
+            ...         x, y = ctx.saved_tensors
+            ...         return g * y, g * x
+            >>> x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+            >>> loss = lambda x, y: Mul.apply(x, y).sum()
+            >>> gx, gy = jax.grad(loss, argnums=(0, 1))(x, y)
+            >>> gx.tolist(), gy.tolist()
+            ([3.0, 4.0], [1.0, 2.0])
+        """
         raise NotImplementedError
 
     @staticmethod
     def backward(ctx: FunctionCtx, *grad_outputs: Any) -> Any:
-        """Returns one gradient per forward input (``None`` for zero)."""
+        """Returns one gradient per forward input (``None`` for zero).
+
+        It receives one gradient per output of forward (per element of a
+        tuple output), and returns a tuple of gradients, or the gradient
+        itself for a single input. A gradient may have a shape that the
+        input's broadcasts to (it is summed down); ``None`` stands for zeros,
+        and is what a static (non-array) input takes.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class ScaleTwice(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x, factor):
+            ...         ctx.factor = factor
+            ...         return factor * x, factor**2 * x
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g_once, g_twice):
+            ...         return ctx.factor * g_once + ctx.factor**2 * g_twice, None
+            >>> def loss(x):
+            ...     once, twice = ScaleTwice.apply(x, 3.0)
+            ...     return once.sum() + twice.sum()
+            >>> jax.grad(loss)(jnp.array([1.0, 2.0])).tolist()
+            [12.0, 12.0]
+        """
         raise NotImplementedError
 
     @staticmethod
     def jvp(ctx: FunctionCtx, *tangents: Any) -> Any:
-        """Returns one output tangent per output (forward mode)."""
+        """Returns one output tangent per output (forward mode).
+
+        It receives one tangent per forward input, and what forward saved with
+        ``ctx.save_for_forward`` as ``ctx.saved_tensors``. A class with jvp
+        but no backward gets reverse mode too: JAX transposes jvp, which must
+        then be linear in the tangents.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class Square(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x):
+            ...         ctx.save_for_forward(x)
+            ...         return x**2
+            ...
+            ...     @staticmethod
+            ...     def jvp(ctx, t):
+            ...         (x,) = ctx.saved_tensors
+            ...         return 2 * x * t
+            >>> x = jnp.array([1.0, 2.0, 3.0])
+            >>> jax.jvp(Square.apply, (x,), (jnp.ones(3),))[1].tolist()
+            [2.0, 4.0, 6.0]
+            >>> jax.jacfwd(Square.apply)(x).tolist()
+            [[2.0, 0.0, 0.0], [0.0, 4.0, 0.0], [0.0, 0.0, 6.0]]
+            >>> jax.grad(lambda x: Square.apply(x).sum())(x).tolist()
+            [2.0, 4.0, 6.0]
+        """
         raise NotImplementedError
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        """Runs the Function: forward's outputs, which JAX differentiates with backward (and jvp).
+
+        Takes forward's arguments without ``ctx``, positionally or by name.
+        Arrays (JAX or NumPy) are traced; any other argument is static: part
+        of the compile-cache key, and passed to forward as it is. Calling the
+        class, ``Scale(x)``, is the same call.
+
+        Examples:
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class Scale(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x, factor=2.0):
+            ...         ctx.factor = factor
+            ...         return factor * x
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g):
+            ...         return ctx.factor * g, None
+            >>> x = jnp.array([1.0, 2.0])
+            >>> Scale.apply(x).tolist()
+            [2.0, 4.0]
+            >>> Scale.apply(x, factor=3.0).tolist()
+            [3.0, 6.0]
+            >>> jax.grad(lambda x: Scale(x, 3.0).sum())(x).tolist()
+            [3.0, 3.0]
+        """
         raise TypeError(
             f"{cls.__name__} defines no forward, so it cannot be applied. Add a "
-            f"forward(ctx, *inputs) staticmethod to {cls.__name__}."
+            f"forward(ctx, *inputs) staticmethod to {cls.__name__}. {see_catalogue('no-forward')}"
         )
 
     @classmethod
     def cache_info(cls) -> CacheInfo:
-        """How many programs the compile cache holds, and its hits and misses."""
+        """How many programs the compile cache holds, and its hits and misses.
+
+        A program is compiled per static signature: per value of the static
+        arguments (the arrays' shapes and dtypes are ``jax.jit``'s to cache).
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import vjpkit
+            >>> class Power(vjpkit.Function):
+            ...     @staticmethod
+            ...     def forward(ctx, x, n):
+            ...         ctx.save_for_backward(x)
+            ...         ctx.n = n
+            ...         return x**n
+            ...
+            ...     @staticmethod
+            ...     def backward(ctx, g):
+            ...         (x,) = ctx.saved_tensors
+            ...         return ctx.n * x ** (ctx.n - 1) * g, None
+            >>> x = jnp.array([1.0, 2.0])
+            >>> Power.apply(x, 2).tolist(), Power.apply(x, 2).tolist()
+            ([1.0, 4.0], [1.0, 4.0])
+            >>> Power.apply(x, 3).tolist()  # another static argument: a new program
+            [1.0, 8.0]
+            >>> Power.cache_info()
+            CacheInfo(programs=2, maxsize=256, hits=1, misses=2)
+        """
         cache = cls.__dict__.get("_vjpkit_cache")
         if cache is None:
             return CacheInfo(0, int(cls.cache_size), 0, 0)
@@ -152,33 +314,52 @@ def _metaclass_for(meta: type) -> type:
 def function(cls: type | None = None, /, **options: Any) -> Any:
     """Class decorator: turns a class with ``forward``/``backward`` into a Function.
 
-    For example:
-
-    ```python
-    @vjpkit.function
-    class Exp:
-        @staticmethod
-        def forward(ctx, x): ...
-        @staticmethod
-        def backward(ctx, g): ...
-
-    @vjpkit.function(jit=False)     # op by op, so print works in forward
-    class Debug: ...
-
-    Exp(x); Exp.apply(x)            # both call it
-    ```
-
     Options, the same as the class attributes of `Function`:
     ``jit`` (default True), ``cache_size`` (programs kept per class, default
     256), ``host`` (forward and backward in NumPy, run through
     ``jax.pure_callback``; default False) and ``vmap_method`` (for host
     Functions: ``"sequential"``, ``"expand_dims"`` or ``"broadcast_all"``).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import vjpkit
+        >>> @vjpkit.function
+        ... class Cube:
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> jax.grad(lambda x: Cube(x).sum())(jnp.array([1.0, 2.0])).tolist()
+        [3.0, 12.0]
+
+        With options: ``jit=False`` runs forward op by op, so ``print``
+        shows values:
+
+        >>> @vjpkit.function(jit=False)
+        ... class Double:
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         print("forward got", x.tolist())
+        ...         return 2 * x
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         return 2 * g
+        >>> Double.apply(jnp.array([1.0, 2.0])).tolist()
+        forward got [1.0, 2.0]
+        [2.0, 4.0]
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(
             f"vjpkit.function got unknown option(s) {', '.join(unknown)}; "
-            f"expected some of: {', '.join(_OPTIONS)}."
+            f"expected some of: {', '.join(_OPTIONS)}. {see_catalogue('unknown-decorator-option')}"
         )
 
     def wrap(cls: type) -> type:
@@ -187,7 +368,7 @@ def function(cls: type | None = None, /, **options: Any) -> Any:
                 f"vjpkit.function({cls.__name__}): {cls.__name__} is a torch.autograd.Function. "
                 f"To run it unchanged (on the host, through PyTorch) use vjpkit.from_torch({cls.__name__}); "
                 "to port it, subclass vjpkit.Function instead and write forward and backward in "
-                "jax.numpy (see the porting guide, https://vjpkit.github.io/vjpkit/porting/)."
+                f"jax.numpy (see the porting guide, {page('porting')})."
             )
         namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
         namespace.update(options)
@@ -208,7 +389,7 @@ def reject_torch_function(fn: Any, where: str) -> None:
         raise TypeError(
             f"{where}: {name} is a torch.autograd.Function, which takes torch tensors, not JAX arrays. "
             f"Pass vjpkit.from_torch({name}).apply to run the original inside JAX, or its port "
-            "(a vjpkit.Function; see the porting guide, https://vjpkit.github.io/vjpkit/porting/)."
+            f"(a vjpkit.Function; see the porting guide, {page('porting')})."
         )
 
 

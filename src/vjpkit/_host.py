@@ -62,13 +62,50 @@ from ._ctx import (
 )
 from ._once import call_without_derivative
 from ._outputs import check_backward_outputs, short_repr
+from ._site import see_catalogue
 from ._tree import is_array, is_differentiable_dtype, partition
 
 VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all")
 
 
 class VmapInfo(NamedTuple):
-    """What a ``vmap`` staticmethod receives first (PyTorch's ``info``)."""
+    """What a ``vmap`` staticmethod receives first (PyTorch's ``info``).
+
+    A Function with a staticmethod ``vmap(info, in_dims, *inputs)``
+    returning ``(outputs, out_dims)`` batches its forward by it under
+    ``jax.vmap``, as in PyTorch; as there, its forward takes no ``ctx``,
+    which ``setup_context`` fills.
+
+    Attributes:
+        batch_size: The number of examples in the batch.
+        randomness: PyTorch's ``randomness`` option of ``vmap``; always
+            ``"error"`` (JAX's random numbers are explicit keys).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import vjpkit
+        >>> class Double(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(x):
+        ...         return 2 * x
+        ...
+        ...     @staticmethod
+        ...     def setup_context(ctx, inputs, output):
+        ...         pass
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         return 2 * g
+        ...
+        ...     @staticmethod
+        ...     def vmap(info, in_dims, x):
+        ...         print(info)
+        ...         return 2 * x, in_dims[0]
+        >>> jax.vmap(Double.apply)(jnp.ones((3, 2))).tolist()
+        VmapInfo(batch_size=3, randomness='error')
+        [[2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
+    """
 
     batch_size: int
     randomness: str = "error"
@@ -440,7 +477,7 @@ class _HostCall:
                 f"{_describe(out)}: expected an int or None for every output, or a pytree "
                 f"of them with the outputs' structure (as torch.autograd.Function.vmap's "
                 "out_dims): the axis of each output that holds the batch, None where an "
-                "output is the same for every example."
+                f"output is the same for every example. {see_catalogue('host-vmap-out-dims-structure')}"
             )
         return [d for ds in dims for d in ds]
 
@@ -460,7 +497,8 @@ class _HostCall:
                 f"{self.name}.vmap returned {name} of shape {leaf.shape} whose batch axis "
                 f"(out_dims {d}) has size {leaf.shape[d]}, but the batch has {size} examples "
                 "(info.batch_size). Return the output with the batch at that axis, or give "
-                "out_dims None for an output that is the same for every example."
+                "out_dims None for an output that is the same for every example. "
+                f"{see_catalogue('host-vmap-batch-axis')}"
             )
         example = leaf.shape if d is None else leaf.shape[:d % leaf.ndim] + leaf.shape[d % leaf.ndim + 1:]
         if example != shape or _dtype_kind(leaf.dtype) != _dtype_kind(dtype):
@@ -501,6 +539,7 @@ class _HostCall:
                     f"Fix forward, or define (or fix) the staticmethod "
                     f"{self.name}.output_shapes(*inputs) returning a "
                     "jax.ShapeDtypeStruct per output."
+                    + (f" {see_catalogue('host-output-of-another-kind')}" if a.shape == shape else "")
                 )
             arrays.append(a if a.dtype == dtype else a.astype(dtype))
         return got_leaves, jax.tree_util.tree_unflatten(self.out_treedef, arrays)
@@ -573,7 +612,8 @@ class _HostCall:
                 f"do not match the batch {batch} under jax.vmap with "
                 f"vmap_method={self.host.vmap_method!r}: backward receives its arrays with "
                 "the batch axes in front and must return each gradient with them in "
-                "front too (size 1 where it is the same for every example)."
+                "front too (size 1 where it is the same for every example). "
+                f"{see_catalogue('host-gradient-without-batch-axes')}"
             ) from e
         return [None if g is None else np.moveaxis(np.asarray(g), range(-k, 0), range(k)) for g in fitted]
 

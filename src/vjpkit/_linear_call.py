@@ -31,6 +31,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from . import _jax_internals
 from ._jax_internals import Primitive, ad, batching, mlir, partial_eval
+from ._site import see_catalogue
 
 
 class _LinearCallPrimitive(Primitive):
@@ -298,31 +299,32 @@ def _transpose_by_jax(apply: Callable, name: str, in_avals: Sequence[Any]) -> Ca
             linear_transpose = jax.linear_transpose(lambda *lin: list(apply(res, lin)), *in_avals)
             return list(linear_transpose(list(cts)))
         except Exception as e:  # JAX raises several types for non-linear code
+            said = _jax_said(e)
+            failure = said or (
+                "JAX met an operation that is not linear in the tangents (such as a product of "
+                "two tangents, or a comparison or branch on one)"
+            )
             raise TypeError(
                 f"{name} defines jvp but no backward, so reverse mode (jax.grad, "
                 f"jax.vjp, jax.jacrev) transposes {name}.jvp, which must then be "
                 "linear in the tangents and written in transposable JAX "
-                f"operations; transposing it failed: {_transpose_failure(e)}. Define "
-                f"{name}.backward(ctx, *grad_outputs) instead."
+                f"operations; transposing it failed: {failure}. Define "
+                f"{name}.backward(ctx, *grad_outputs) instead. "
+                + (see_catalogue("jvp-only-and-not-linear") if said
+                   else see_catalogue("jvp-only-and-a-product-of-tangents"))
             ) from e
 
     return transposed
 
 
-def _transpose_failure(e: Exception) -> str:
-    """What JAX's failed transpose says, or what it means where JAX says nothing useful.
+def _jax_said(e: Exception) -> str:
+    """What JAX's failed transpose says, or "" where it says nothing useful.
 
     Why: a product of two tangents, or a comparison of one, fails an internal
     assertion of JAX's transpose, whose text is empty or a tuple of JAX's
     accumulator objects.
     """
-    text = str(e).strip()
-    if isinstance(e, AssertionError) or not text:
-        return (
-            "JAX met an operation that is not linear in the tangents (such as a product of "
-            "two tangents, or a comparison or branch on one)"
-        )
-    return text
+    return "" if isinstance(e, AssertionError) else str(e).strip()
 
 
 def _linear_call_transpose(cts, *args, num_res, num_witnesses, apply, transpose, out_avals, name, traced, recorded):

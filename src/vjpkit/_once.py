@@ -13,24 +13,37 @@ F = TypeVar("F", bound=Callable[..., Any])
 def once_differentiable(backward: F) -> F:
     """Marks a ``backward`` as first-order only, like PyTorch's decorator.
 
-    For example:
-
-    ```python
-    class Clip(vjpkit.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ...
-
-        @staticmethod
-        @vjpkit.once_differentiable
-        def backward(ctx, g):
-            ...
-    ```
-
     ``jax.grad`` works as usual; differentiating the backward itself
     (``jax.hessian``, grad of grad) raises an error naming the class instead
     of silently differentiating code that was never meant to be (PyTorch
     returns wrong second derivatives there).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import vjpkit
+        >>> class Square(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**2
+        ...
+        ...     @staticmethod
+        ...     @vjpkit.once_differentiable
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 2 * x * g
+        >>> x = jnp.array([1.0, 2.0])
+        >>> jax.grad(lambda x: Square.apply(x).sum())(x).tolist()
+        [2.0, 4.0]
+        >>> jax.hessian(lambda x: Square.apply(x).sum())(x)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: Square.backward is decorated with @once_differentiable, so
+        it cannot be differentiated (a second derivative such as jax.hessian or
+        grad of grad was asked for). Remove the decorator if backward is written
+        in differentiable JAX operations. See
+        https://vjpkit.github.io/vjpkit/errors/#once-differentiable-differentiated-twice
     """
     if isinstance(backward, staticmethod):
         return staticmethod(once_differentiable(backward.__func__))  # type: ignore[return-value]

@@ -18,6 +18,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _jax_internals
 from ._args import as_jax_leaf
+from ._site import see_catalogue
 from ._tree import Partition, is_array, is_differentiable_dtype, partition
 
 
@@ -83,13 +84,13 @@ def pack_outputs(owner: str, out: Any) -> Packed:
     if out is None:
         raise TypeError(
             f"{owner}.forward returned None: a Function must return at least one array. "
-            "Did forward forget its return statement?"
+            f"Did forward forget its return statement? {see_catalogue('forward-returns-none')}"
         )
     layout, arrays = partition(out, is_array)
     if not arrays and layout.static:
         raise TypeError(
             f"{owner}.forward returned no array ({short_repr(out)}); a Function "
-            "must return at least one array."
+            f"must return at least one array. {see_catalogue('forward-returns-no-array')}"
         )
     return Packed(tuple(map(as_jax_leaf, arrays)), layout)
 
@@ -133,11 +134,12 @@ def output_cotangents(
 def _count_message(owner: str, got: int, names: tuple, was_list: bool) -> str:
     expected = len(names)
     if was_list:
-        hint = " A list counts as one value: return a tuple of gradients."
+        hint = f" A list counts as one value: return a tuple of gradients. {see_catalogue('list-of-gradients')}"
     elif got > expected:
-        hint = " Values after the last input's gradient are allowed only if they are None."
+        hint = (" Values after the last input's gradient are allowed only if they are None. "
+                f"{see_catalogue('too-many-gradients')}")
     else:
-        hint = " Return None for inputs that need no gradient."
+        hint = f" Return None for inputs that need no gradient. {see_catalogue('too-few-gradients')}"
     return (
         f"{owner}.backward returned {got} gradient{'s' if got != 1 else ''}, "
         f"expected {expected} (one per forward input: {', '.join(names)}).{hint}"
@@ -146,7 +148,7 @@ def _count_message(owner: str, got: int, names: tuple, was_list: bool) -> str:
 
 _STATIC_HINT = (
     " To differentiate with respect to a scalar, pass it as an array "
-    "(jnp.asarray(c)); otherwise return None in its place."
+    f"(jnp.asarray(c)); otherwise return None in its place. {see_catalogue('gradient-for-a-static-input')}"
 )
 
 
@@ -214,7 +216,7 @@ def check_backward_outputs(
                 raise TypeError(
                     f"{owner}.{method} returned a gradient for {where} with structure "
                     f"{got}, expected the input's structure {treedef} (None is "
-                    "allowed for any part)."
+                    f"allowed for any part). {see_catalogue('wrong-structure')}"
                 ) from None
         for j, (kind, g) in enumerate(zip(kinds, grad_leaves, strict=True)):
             at = where if n_leaves == 1 else _InputName(i, names[i], j)
@@ -237,7 +239,7 @@ def check_backward_outputs(
                 raise TypeError(
                     f"{owner}.{method} returned {short_repr(g)} "
                     f"({type(g).__name__}) as the gradient for {at}: expected an "
-                    f"array of shape {shape} and dtype {dtype}, or None."
+                    f"array of shape {shape} and dtype {dtype}, or None. {see_catalogue('non-array-gradient')}"
                 )
             g = _fit_shape(owner, method, at, g, shape)
             g = _fit_dtype(owner, method, at, g, dtype)
@@ -274,7 +276,7 @@ def _fit_shape(owner: str, method: str, at: object, g: Any, shape: tuple) -> Any
         raise ValueError(
             f"{owner}.{method} returned a gradient of shape {g_shape} for {at}: "
             f"expected shape {shape} (or a shape that {shape} broadcasts to, "
-            "which is summed down)."
+            f"which is summed down). {see_catalogue('wrong-shape')}"
         )
     lead = len(g_shape) - len(shape)
     axes = tuple(range(lead)) + tuple(
@@ -311,7 +313,9 @@ def _fit_dtype(owner: str, method: str, at: object, g: Any, dtype: Any, what: st
         raise TypeError(
             f"{owner}.{method} returned a complex {what} ({g.dtype}) for {at}, "
             f"which is real ({dtype}): expected dtype {dtype}. Take the real part "
-            "explicitly if that is what you mean."
+            "explicitly if that is what you mean. "
+            + (see_catalogue("jvp-complex-tangent-for-a-real-output") if what == "tangent"
+               else see_catalogue("complex-gradient-for-a-real-input"))
         )
     return jnp.asarray(g).astype(dtype)
 
@@ -326,7 +330,7 @@ def check_jvp_outputs(name: str, result: Any, layout: Partition, differentiable:
         if len(result) != n_outputs:
             raise TypeError(
                 f"{name}.jvp returned {len(result)} tangent{'s' if len(result) != 1 else ''}, "
-                f"expected {n_outputs} (one per output of forward)."
+                f"expected {n_outputs} (one per output of forward). {see_catalogue('jvp-wrong-count')}"
             )
         structured = result
     else:
@@ -338,7 +342,7 @@ def check_jvp_outputs(name: str, result: Any, layout: Partition, differentiable:
                     f"{name}.jvp returned {len(result)} tangents, expected 1 (one per "
                     f"output of forward, which returns a single "
                     f"{'array' if single else 'pytree'}, not a tuple). Return the "
-                    "tangent itself."
+                    f"tangent itself. {see_catalogue('jvp-wrong-count')}"
                 )
             result = result[0]
         structured = result
@@ -363,12 +367,13 @@ def check_jvp_outputs(name: str, result: Any, layout: Partition, differentiable:
         if not is_array(t):
             raise TypeError(
                 f"{name}.jvp returned {short_repr(t)} as the tangent of output {j}: "
-                f"expected an array of shape {shape} and dtype {dtype}, or None."
+                f"expected an array of shape {shape} and dtype {dtype}, or None. "
+                f"{see_catalogue('jvp-non-array-tangent')}"
             )
         if tuple(t.shape) != shape:
             raise ValueError(
                 f"{name}.jvp returned a tangent of shape {tuple(t.shape)} for "
-                f"output {j}: expected shape {shape}."
+                f"output {j}: expected shape {shape}. {see_catalogue('jvp-wrong-shape')}"
             )
         tangents.append(_fit_dtype(name, "jvp", f"output {j}", t, dtype, what="tangent"))
     return tangents

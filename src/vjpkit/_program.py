@@ -50,6 +50,7 @@ from ._args import as_arrays
 from ._linear_call import linear_call
 from ._outputs import Packed, ResidualMeta, Residuals
 from ._runner import Runner, Spec
+from ._site import see_catalogue
 from ._tie import tie_outputs
 from ._tree import Partition, is_differentiable_dtype
 
@@ -335,9 +336,10 @@ class OwnDerivative:
                 "in forward mode (jax.hessian, jax.jacfwd of jax.grad) the derivative of "
                 f"its outputs is {self.name}.backward transposed by JAX, which needs "
                 "backward to be linear in the gradients and written in transposable "
-                f"JAX operations; transposing it failed: {e}. Define "
+                f"JAX operations; transposing it failed: {str(e).rstrip('.')}. Define "
                 f"{self.name}.jvp(ctx, *tangents), or take the derivative in reverse "
-                "mode twice (jax.jacrev of jax.jacrev)."
+                "mode twice (jax.jacrev of jax.jacrev). "
+                f"{see_catalogue('backward-not-transposable-under-forward-over-reverse')}"
             ) from e
 
 class _ClosureConverted:
@@ -392,7 +394,7 @@ def no_forward_mode(spec: Spec) -> TypeError:
         f"{spec.name} has no forward-mode derivative (jax.jvp, jax.jacfwd, "
         f"jax.linearize): it defines backward but no jvp. Add a "
         f"jvp(ctx, *tangents) staticmethod to {spec.name}, or use reverse "
-        "mode (jax.grad, jax.vjp, jax.jacrev)."
+        f"mode (jax.grad, jax.vjp, jax.jacrev). {see_catalogue('no-jvp-under-forward-mode')}"
     )
 
 
@@ -403,7 +405,7 @@ def not_differentiable(spec: Spec) -> TypeError:
         f"(and no jvp). Add a backward(ctx, *grad_outputs) staticmethod to "
         f"{spec.name} for reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
         "a jvp(ctx, *tangents) staticmethod for forward mode (jax.jvp, "
-        "jax.jacfwd)."
+        f"jax.jacfwd). {see_catalogue('no-backward-under-grad')}"
     )
 
 

@@ -47,6 +47,7 @@ from ._outputs import (
     output_cotangents,
     pack_outputs,
 )
+from ._site import see_catalogue
 from ._tree import (
     Lifted,
     Partition,
@@ -103,7 +104,8 @@ class Spec:
             problem = (
                 f"{where} is an array (shape {tuple(culprit.shape)}, dtype {culprit.dtype}), which cannot be "
                 "part of a compile-cache key. Pass the array as an argument of its own (arrays are traced), "
-                f"or hold Python values (floats, tuples) in the {owner} instead."
+                f"or hold Python values (floats, tuples) in the {owner} instead. "
+                f"{see_catalogue('static-argument-holding-an-array')}"
             )
         else:
             kind = type(culprit).__name__
@@ -173,20 +175,22 @@ def _traced_value_error(owner: str, name: str, e: Exception) -> TypeError:
         return TypeError(
             f"{owner}.{name} converted a traced JAX array to NumPy. {name} runs while "
             "JAX traces, so its arrays are tracers, not concrete values: write it with jax.numpy, or "
-            f"declare the Function host-side (@vjpkit.function(host=True)) to run NumPy code.{_user_line(e)}"
+            f"declare the Function host-side (@vjpkit.function(host=True)) to run NumPy code.{_user_line(e)} "
+            f"{see_catalogue('numpy-in-forward')}"
         )
     if isinstance(e, TracerBoolConversionError):
         return TypeError(
             f"{owner}.{name} used a traced array as a Python bool (an if, while, and/or, or assert on "
             f"an array's value). {name} runs while JAX traces, so its arrays have no "
             "values yet: select values with jnp.where(condition, x, y), branch with jax.lax.cond, "
-            f"loop with jax.lax.while_loop.{_user_line(e)}"
+            f"loop with jax.lax.while_loop.{_user_line(e)} {see_catalogue('python-if-on-a-traced-array')}"
         )
     return TypeError(
         f"{owner}.{name} converted a traced array to a Python number (.item(), float(), int() or "
         f"an index). {name} runs while JAX traces, so its arrays have no values "
         "yet: keep the value an array (jnp.clip(x, -alpha, alpha) takes array bounds; jnp "
-        f"functions and arithmetic take arrays), or select values with jnp.where.{_user_line(e)}"
+        f"functions and arithmetic take arrays), or select values with jnp.where.{_user_line(e)} "
+        f"{see_catalogue('item-of-a-traced-array')}"
     )
 
 
@@ -209,7 +213,7 @@ def _cache_size(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
             f"{name}.cache_size must be a positive int (the number of compiled programs kept "
-            f"per class), got {value!r}."
+            f"per class), got {value!r}. {see_catalogue('cache-size-not-positive')}"
         )
     return value
 
@@ -439,7 +443,7 @@ class Runner:
             f"parameters, {name}.apply(lambda x: f(x, w), x) under jax.grad with respect to w). {name}'s "
             f"derivative covers apply's arguments only, so pass the value as an argument of its own "
             f"({name}.apply(f, x, w), with f taking it) and return its gradient from {name}.backward "
-            "(its tangent from jvp)."
+            f"(its tangent from jvp). {see_catalogue('closure-over-a-differentiated-value')}"
         )
 
     def input_kinds(self, arrays: Any) -> tuple:
@@ -524,7 +528,7 @@ class Runner:
                         f"A ctx attribute that is not an array or a pytree of arrays travels to backward as "
                         "static data, fixed when JAX traces, so the arrays inside it do not. Store the array "
                         f"itself on ctx (ctx.{name}_array = ...) or save it with ctx.save_for_backward, and "
-                        f"rebuild the {owner} in backward."
+                        f"rebuild the {owner} in backward. {see_catalogue('ctx-attribute-object-holding-an-array')}"
                     )
                 tracers = tuple({id(t): t for _, t in found}.values())
                 if leaves is None:
@@ -550,7 +554,7 @@ class Runner:
                 f"{spec.name}.forward marked an input dirty (ctx.mark_dirty) and "
                 "returned that same input object unchanged. JAX arrays are "
                 "immutable: compute the new value (e.g. x = x.at[i].set(v)) and "
-                "return it."
+                f"return it. {see_catalogue('dirty-input-returned-unchanged')}"
             )
         packed = pack_outputs(spec.name, out)
         if self.anomaly:
@@ -634,7 +638,7 @@ class Runner:
             f"{self.spec.name}.backward is decorated with @once_differentiable, so it "
             "cannot be differentiated (a second derivative such as jax.hessian or "
             "grad of grad was asked for). Remove the decorator if backward is "
-            "written in differentiable JAX operations."
+            f"written in differentiable JAX operations. {see_catalogue('once-differentiable-differentiated-twice')}"
         )
 
     # -- vjpkit.detect_anomaly ----------------------------------------------

@@ -1,6 +1,8 @@
 """C++ kernels for JAX, compiled from a source string: ``load_inline``.
 
-For example:
+For example (not run as a doctest, unlike the examples of the rest of the
+API: it needs a C++ compiler, and compiling takes seconds;
+tests/test_cpp_extension.py builds and runs the same kernel):
 
 ```python
 import jax, jax.numpy as jnp, numpy as np
@@ -126,12 +128,25 @@ class FfiKernel:
     """One FFI handler of an `Extension`, registered as an XLA target for the CPU.
 
     Call it with the kernel's buffers as positional arguments and its
-    attributes as keyword arguments:
+    attributes as keyword arguments, for example (not a doctest: it needs
+    a kernel compiled by `load_inline`, with a C++ compiler; see the
+    module's example):
 
-        y = ext.Scale(x, result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype), factor=np.float32(3.0))
+    ```python
+    y = ext.Scale(x, result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype), factor=np.float32(3.0))
+    ```
 
     Returns one array, or a list of arrays when ``result_shape_dtypes`` is a
     sequence.
+
+    Attributes:
+        name: The function's name (as given in ``functions``).
+        target_name: The XLA FFI target it is registered as (the extension's
+            name as a prefix).
+        vmap_method: How calls batch under ``jax.vmap`` unless a call says
+            otherwise.
+        platforms: XLA's names of the platforms it is compiled for:
+            ``"cpu"`` (``cpp_source``), ``"CUDA"`` (``cuda_source``).
     """
 
     def __init__(self, name: str, target_name: str, vmap_method: str, platforms: Sequence[str] = ("cpu",)):
@@ -173,7 +188,14 @@ class FfiKernel:
 
 
 class Extension:
-    """A compiled C++ source: one `FfiKernel` attribute per name in ``functions``."""
+    """A compiled C++ source: one `FfiKernel` attribute per name in ``functions``.
+
+    Attributes:
+        name: The extension's name (``load_inline``'s ``name``).
+        library_path: The compiled shared library, in the build directory's
+            cache.
+        functions: The kernels by name, as ``{name: FfiKernel}``.
+    """
 
     def __init__(self, name: str, library_path: pathlib.Path, kernels: dict[str, FfiKernel]):
         """Made by `load_inline`."""
@@ -215,6 +237,9 @@ def load_inline(
     verbose: bool = False,
 ) -> Extension:
     """Compiles ``cpp_source`` (once per content), registers ``functions`` as FFI targets, returns them.
+
+    The module's example (above) compiles, calls, jits and batches a kernel;
+    it is not a doctest, as it needs a C++ compiler and seconds to compile.
 
     Args:
         name: the extension's name: a C identifier, used for the library's

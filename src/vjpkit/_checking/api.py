@@ -42,13 +42,6 @@ def gradcheck(
 ) -> bool:
     """Compares ``fn``'s derivatives with central finite differences.
 
-    For example:
-
-    ```python
-    x, w = np.random.randn(20, 20), np.random.randn(30, 20)
-    vjpkit.gradcheck(Linear.apply, (x, w), eps=1e-6, atol=1e-4)
-    ```
-
     For every (differentiable output, differentiable input) pair, the
     analytical Jacobian (from ``jax.vjp``, and from ``jax.jvp`` with
     ``check_forward_ad``) must satisfy, element by element,
@@ -91,6 +84,39 @@ def gradcheck(
     Raises:
         GradcheckError: a check failed (with ``raise_exception=True``).
         ValueError: contradictory options, or no floating-point input.
+
+    Examples:
+        >>> import numpy as np
+        >>> import vjpkit
+        >>> class Cube(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> x = np.array([1.0, -2.0, 0.5])  # float64: the check computes in float64
+        >>> vjpkit.gradcheck(Cube.apply, (x,))
+        True
+
+        A wrong backward fails: `GradcheckError`, whose message is the
+        report, or False:
+
+        >>> class WrongCube(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 2 * x**2 * g
+        >>> vjpkit.gradcheck(WrongCube.apply, (x,), raise_exception=False)
+        False
     """
     reject_torch_function(fn, "vjpkit.gradcheck")
     options = Options(

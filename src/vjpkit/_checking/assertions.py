@@ -42,6 +42,32 @@ def assert_gradcheck(fn: Callable[..., Any], inputs: Any, **options: Any) -> Non
 
     Raises:
         AssertionError: with gradcheck's report as the message.
+
+    Examples:
+        >>> import vjpkit
+        >>> from vjpkit.testing import assert_gradcheck, random_inputs
+        >>> class Cube(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> assert_gradcheck(Cube.apply, random_inputs("f64[5]"))
+        >>> class WrongCube(Cube):
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 2 * x**2 * g
+        >>> assert_gradcheck(WrongCube.apply, random_inputs("f64[5]"))
+        Traceback (most recent call last):
+        ...
+        AssertionError: gradcheck failed for WrongCube.apply:
+        Jacobian mismatch for output 0 with respect to input 0:
+        ...
     """
     __tracebackhide__ = True  # pytest: show the caller's line, not this one
     try:
@@ -56,6 +82,21 @@ def assert_gradgradcheck(fn: Callable[..., Any], inputs: Any, grad_outputs: Any 
 
     Raises:
         AssertionError: with gradgradcheck's report as the message.
+
+    Examples:
+        >>> import vjpkit
+        >>> from vjpkit.testing import assert_gradgradcheck, random_inputs
+        >>> class Cube(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> assert_gradgradcheck(Cube.apply, random_inputs("f64[5]"))
     """
     __tracebackhide__ = True
     try:

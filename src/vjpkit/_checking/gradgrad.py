@@ -36,12 +36,6 @@ def gradgradcheck(
 ) -> bool:
     """Checks second derivatives: ``gradcheck`` of ``fn``'s VJP.
 
-    For example:
-
-    ```python
-    vjpkit.gradgradcheck(Exp.apply, (np.random.randn(5),))
-    ```
-
     The checked function maps ``(*inputs, *grad_outputs)`` to the
     gradients of ``fn``'s differentiable inputs, ``jax.vjp(fn, *inputs)``
     pulled back along ``grad_outputs``; it is differentiated with respect
@@ -62,6 +56,22 @@ def gradgradcheck(
     Returns:
         True when the check passes; False on failure when
         ``raise_exception=False``.
+
+    Examples:
+        >>> import numpy as np
+        >>> import vjpkit
+        >>> class Cube(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> vjpkit.gradgradcheck(Cube.apply, (np.array([1.0, -2.0, 0.5]),))
+        True
     """
     reject_torch_function(fn, "vjpkit.gradgradcheck")
     options = Options(

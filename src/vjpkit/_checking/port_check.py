@@ -50,6 +50,36 @@ def port_differences(port: Any, original: Any, *args: Any, argnums: Sequence[int
         run in one ``jax.jit`` program; the loss differentiated is
         ``sum(sin(leaf))`` over every floating output leaf, so that no
         output's gradient is constant.
+
+    Examples:
+        >>> import numpy as np
+        >>> import torch
+        >>> import vjpkit
+        >>> from vjpkit.testing import port_differences
+        >>> class TorchCube(torch.autograd.Function):  # the original
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> class Cube(vjpkit.Function):  # its port
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> x = np.linspace(-1.0, 1.0, 5)
+        >>> differences = port_differences(Cube, TorchCube, x, second_order=True)
+        >>> {check: round(d, 12) for check, d in differences.items()}
+        {'gradient': 0.0, 'output': 0.0, 'second order': 0.0}
     """
     reject_torch_function(port, "vjpkit.testing.port_differences (its port)")
     port_call = _callable(port)
@@ -85,6 +115,36 @@ def assert_port_matches_original(port: Any, original: Any, *args: Any, argnums: 
     Raises:
         AssertionError: naming each check (output, gradient, second order,
             under vmap) whose largest difference exceeds ``atol``.
+
+    Examples:
+        >>> import numpy as np
+        >>> import torch
+        >>> import vjpkit
+        >>> from vjpkit.testing import assert_port_matches_original
+        >>> class TorchCube(torch.autograd.Function):  # the original
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> class Cube(vjpkit.Function):  # its port
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> x = np.linspace(-1.0, 1.0, 5)
+        >>> checked = assert_port_matches_original(Cube, TorchCube, x)
+        >>> sorted(checked)  # what was compared
+        ['gradient', 'output']
     """
     __tracebackhide__ = True  # pytest: show the caller's line, not this one
     differences = port_differences(port, original, *args, argnums=argnums, second_order=second_order,

@@ -28,8 +28,20 @@ def random_inputs(spec: str, seed: int = 0) -> tuple[np.ndarray, ...]:
             i64, u8, u32, bool.
         seed: seed of the NumPy generator.
 
+    Returns:
+        A tuple of NumPy arrays, one per item (a tuple of one for one item).
+
     Raises:
         ValueError: naming the malformed item.
+
+    Examples:
+        >>> from vjpkit.testing import random_inputs
+        >>> x, w, n = random_inputs("f64[4,3] f32[2,3] i32[]")
+        >>> x.shape, x.dtype, w.shape, w.dtype, n.shape, n.dtype
+        ((4, 3), dtype('float64'), (2, 3), dtype('float32'), (), dtype('int32'))
+        >>> (again,) = random_inputs("f64[4,3]")  # the same seed: the same values
+        >>> bool((x == again).all())
+        True
     """
     rng = np.random.default_rng(seed)
     items = _split_items(spec)

@@ -20,9 +20,33 @@ from .runner import Checker
 class GradcheckError(RuntimeError):
     """A gradient check failed. The message is the full report.
 
-    ``mismatches`` holds one `JacobianMismatch` per (output, input)
-    pair whose Jacobians disagree, for programmatic use (empty when the
-    failure is of another kind, e.g. a backward that is not reentrant).
+    Attributes:
+        mismatches: One `JacobianMismatch` per (output, input) pair whose
+            Jacobians disagree, for programmatic use (empty when the failure
+            is of another kind, e.g. a backward that is not reentrant).
+
+    Examples:
+        >>> import numpy as np
+        >>> import vjpkit
+        >>> class WrongCube(vjpkit.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 2 * x**2 * g  # should be 3 * x**2 * g
+        >>> try:
+        ...     vjpkit.gradcheck(WrongCube.apply, (np.array([1.0, -2.0, 0.5]),))
+        ... except vjpkit.GradcheckError as e:
+        ...     error = e
+        >>> print(str(error).splitlines()[0])
+        Jacobian mismatch for output 0 with respect to input 0:
+        >>> worst = error.mismatches[0]
+        >>> worst.input_element, round(worst.numerical_value, 6), worst.analytical_value
+        ((1,), 12.0, 8.0)
     """
 
     def __init__(self, message: str, mismatches: Sequence[JacobianMismatch] = ()):
@@ -37,6 +61,51 @@ class JacobianMismatch:
     The Jacobians have PyTorch's layout: one row per element of the input,
     one column per element of the output (complex leaves count as pairs of
     real numbers, with a trailing ``"real"``/``"imag"`` index).
+
+    Attributes:
+        mode: ``"backward"`` (the Jacobian from the VJP) or ``"forward"``
+            (from the JVP).
+        output: The output's name, e.g. ``"output 0"`` or
+            ``"output 1 ['mask']"``.
+        input: The input's name, e.g. ``"input 1"`` or ``"input 0 ['w']"``.
+        output_index: The output's position in ``fn``'s output tuple (0 for
+            an output that is not a tuple).
+        input_index: The input's position in the inputs tuple.
+        output_path: The pytree path inside that output (``""`` for an
+            array).
+        input_path: The pytree path inside that input.
+        output_element: The index of the worst element in the output leaf.
+        input_element: The index of the worst element in the input leaf.
+        numerical_value: The finite-difference derivative at the worst
+            element.
+        analytical_value: The derivative ``fn``'s rules give there.
+        abs_diff: ``|analytical_value - numerical_value|``.
+        rel_diff: ``abs_diff / |numerical_value|``.
+        mismatched: How many elements of the block are out of tolerance.
+        numerical: The finite-difference Jacobian block, of shape (input
+            elements, output elements).
+        analytical: The Jacobian block from ``fn``'s rules, in the same
+            layout.
+
+    Examples:
+        Any JAX function can be checked, here a ``jax.custom_vjp`` whose
+        rule is off by a factor of 2:
+
+        >>> import jax
+        >>> import numpy as np
+        >>> import vjpkit
+        >>> @jax.custom_vjp
+        ... def double(x):
+        ...     return 2 * x
+        >>> double.defvjp(lambda x: (2 * x, None), lambda _, g: (4 * g,))
+        >>> try:
+        ...     vjpkit.gradcheck(double, (np.array([1.0, 2.0]),))
+        ... except vjpkit.GradcheckError as e:
+        ...     (block,) = e.mismatches
+        >>> block.mode, block.output, block.input, block.mismatched
+        ('backward', 'output 0', 'input 0', 2)
+        >>> block.numerical.round(6).tolist(), block.analytical.tolist()
+        ([[2.0, 0.0], [0.0, 2.0]], [[4.0, 0.0], [0.0, 4.0]])
     """
 
     mode: str  # "backward" (the VJP) or "forward" (the JVP)

@@ -112,6 +112,34 @@ def assert_matches_torch(
             input that is not a floating or complex array.
         ModuleNotFoundError: when torch is not importable (under pytest, the
             calling test is skipped instead).
+
+    Examples:
+        >>> import numpy as np
+        >>> import torch
+        >>> import vjpkit
+        >>> from vjpkit.testing import assert_matches_torch
+        >>> class TorchCube(torch.autograd.Function):  # the original
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> class Cube(vjpkit.Function):  # its port
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> x = np.linspace(-1.0, 1.0, 5)
+        >>> assert_matches_torch(TorchCube, Cube, (x,), check_second_order=True)
     """
     __tracebackhide__ = True  # pytest: show the caller's line
     torch = _import_torch()

@@ -62,6 +62,29 @@ def from_torch(obj: Any, *, copy_inputs: bool = False, reentrant: bool = False, 
     on every call (a callback per call, forward run again to
     differentiate), it cannot be fused or sharded by XLA, and forward mode
     needs the original's ``jvp`` (or torch's forward AD, for a callable).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import torch
+        >>> import vjpkit
+        >>> class TorchCube(torch.autograd.Function):  # the original, unchanged
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 3 * x**2 * g
+        >>> Cube = vjpkit.from_torch(TorchCube)  # Cube.apply takes JAX arrays
+        >>> x = jnp.array([1.0, 2.0])
+        >>> jax.jit(jax.grad(lambda x: Cube.apply(x).sum()))(x).tolist()
+        [3.0, 12.0]
+        >>> softmax = vjpkit.from_torch(lambda x: torch.softmax(x, -1))
+        >>> softmax(jnp.zeros(4)).tolist()
+        [0.25, 0.25, 0.25, 0.25]
     """
     if mode not in _MODES:
         raise ValueError(f"vjpkit.from_torch: mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}.")

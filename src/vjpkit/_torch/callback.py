@@ -1,20 +1,5 @@
-"""``from_torch``'s callback mode: an unported PyTorch Function (or any torch callable) run inside JAX by callbacks.
-
-For example:
-
-```python
-class TExp(torch.autograd.Function):         # the original, unchanged
-    @staticmethod
-    def forward(ctx, x):
-        y = x.exp(); ctx.save_for_backward(y); return y
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors; return g * y
-
-Exp = vjpkit.from_torch(TExp)                # Exp.apply(x) takes JAX arrays
-jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))(x)
-soft = vjpkit.from_torch(lambda x, t: torch.softmax(x / t, -1))
-```
+"""``from_torch``'s callback mode: an unported PyTorch Function (or any torch callable) run inside JAX by
+callbacks (examples in ``from_torch``'s docstring).
 
 The original runs in a callback on tensors sharing the arrays' memory by
 DLPack: XLA's buffers on their device (``device.py``), or host arrays
@@ -54,6 +39,7 @@ from .._ctx import FunctionCtx
 from .._function import Function
 from .._once import call_without_derivative, once_differentiable
 from .._outputs import is_differentiable_dtype
+from .._site import see_catalogue
 from .._tree import Partition, is_array, partition
 from .device import as_output, keeps_tensors, torch_callback
 from .dtypes import jax_dtype, numpy_dtype
@@ -251,7 +237,8 @@ class _Program:
         # vjpkit differentiates a once_differentiable Function's forward itself for a
         # second derivative: that must raise the decorator's error, not JAX's callback one.
         message = (f"{self.origin.backward_name} is decorated with @once_differentiable, so it cannot be "
-                   "differentiated (a second derivative such as jax.hessian or grad of grad was asked for).")
+                   "differentiated (a second derivative such as jax.hessian or grad of grad was asked for). "
+                   f"{see_catalogue('once-differentiable-differentiated-twice')}")
         return list(call_without_derivative(forward_of_arrays, list(arrays), message))
 
     def vjp(self, wanted: tuple, given: tuple) -> Any:
