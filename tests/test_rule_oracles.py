@@ -462,10 +462,13 @@ def check(call: Call, calls: list) -> None:
     close(loop, ref_loop, what + "\n(the loop against JAX's custom rule)")
     try:
         expected = transform(call.transform, vmapped(ref), call.argnums)(x, w, t1, t2)
-    except ValueError as e:
-        # JAX 0.12 refuses a custom_vjp whose output is shared across the batch, where its answer
-        # would not be its loop's: no answer from JAX to compare with (the loop was compared above).
-        if "shared across the batch" not in str(e):
+    except (ValueError, TypeError) as e:
+        # No answer from JAX to compare with (the loop was compared above): JAX 0.12 refuses a custom_vjp whose
+        # output is shared across the batch, where its answer would not be its loop's; and under a vmap staged
+        # before the derivative, JAX's own custom_jvp fails inside JAX where an output's tangent varies along
+        # the batch but its value does not (broadcast_in_dim's shape check).
+        staged_failure = call.form in STAGED and "broadcast_in_dim broadcast_dimensions" in str(e)
+        if "shared across the batch" not in str(e) and not staged_failure:
             raise
         return
     if _agree(expected, ref_loop):

@@ -204,10 +204,6 @@ class Program:
         outputs, res = tie_outputs(self, residuals.meta, packed.layout, arrays, packed.arrays, residuals.arrays)
         return Packed(outputs, packed.layout), Residuals(res, residuals.meta)
 
-    def input_needs(self, meta: ResidualMeta) -> tuple:
-        """Per array input of a forward run (``meta``): whether forward was told it needs a derivative."""
-        return tuple(meta.needs[param] for param in self.runner.param_of_dynamic)
-
     def tie_tangents(self, tie: Any, inputs: list, residuals: list, moving: list, tangents: list,
                      out_types: list, outputs: list) -> list:
         """The tangents of a tie's ``outputs``: the Function's own derivative along the ``moving`` inputs.

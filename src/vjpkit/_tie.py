@@ -50,8 +50,6 @@ class Owner(Protocol):
 
     spec: Any  # the Function's Spec: its name names the tie in jaxprs
 
-    def input_needs(self, meta: Any) -> tuple: ...  # per array input: whether forward was told it needs a derivative
-
     def tie_tangents(self, tie: Any, inputs: list, residuals: list, moving: list, tangents: list,
                      out_types: list, outputs: list) -> list: ...
 
@@ -88,7 +86,7 @@ def tie_outputs(owner: Owner, meta: Any, out_layout: Any, arrays: tuple, outputs
         if at >= n_inputs:  # an input returned as is keeps its own derivative when saved
             output_of.setdefault(at, j)
     saved = tuple((k, output_of[at]) for k, at in enumerate(residuals_at) if at in output_of)
-    tie = _Tie(owner, meta, out_layout, tuple(x.dtype for x in arrays), owner.input_needs(meta), tied, saved,
+    tie = _Tie(owner, meta, out_layout, tuple(x.dtype for x in arrays), tied, saved,
                inputs_at, residuals_at, outputs_at)
     tied_outputs, res = tie(operands)
     by_position = dict(zip(tied, tied_outputs, strict=True))
@@ -109,22 +107,21 @@ class _Tie:
     (abstract evaluation, lowering) answer for every call of a program.
     """
 
-    __slots__ = ("program", "meta", "out_layout", "in_dtypes", "needed", "tied", "saved", "inputs_at",
-                 "residuals_at", "outputs_at", "_key", "_hash", "__weakref__")
+    __slots__ = ("program", "meta", "out_layout", "in_dtypes", "tied", "saved", "inputs_at", "residuals_at",
+                 "outputs_at", "_key", "_hash", "__weakref__")
 
-    def __init__(self, program: Owner, meta: Any, out_layout: Any, in_dtypes: tuple, needed: tuple,
+    def __init__(self, program: Owner, meta: Any, out_layout: Any, in_dtypes: tuple,
                  tied: tuple, saved: tuple, inputs_at: tuple, residuals_at: tuple, outputs_at: tuple):
         self.program = program
         self.meta = meta
         self.out_layout = out_layout
         self.in_dtypes = in_dtypes
-        self.needed = needed  # per input: whether forward was told it needs a derivative
         self.tied = tied
         self.saved = saved
         self.inputs_at = inputs_at
         self.residuals_at = residuals_at
         self.outputs_at = outputs_at
-        self._key = (program, meta, out_layout, in_dtypes, needed, tied, saved, inputs_at, residuals_at, outputs_at)
+        self._key = (program, meta, out_layout, in_dtypes, tied, saved, inputs_at, residuals_at, outputs_at)
         self._hash: int | None = None
 
     def __eq__(self, other: Any) -> bool:
@@ -187,8 +184,8 @@ class _BatchedTie:
     output keeps its operand's axis (``out_dims``).
     """
 
-    __slots__ = ("inner", "dims", "size", "axis_names", "inputs_at", "in_dtypes", "needed", "outputs_at",
-                 "out_dims", "__weakref__")
+    __slots__ = ("inner", "dims", "size", "axis_names", "inputs_at", "in_dtypes", "outputs_at", "out_dims",
+                 "__weakref__")
 
     def __init__(self, inner: Any, dims: tuple, size: int, axis_names: dict):
         self.inner = inner
@@ -197,7 +194,6 @@ class _BatchedTie:
         self.axis_names = axis_names
         self.inputs_at = inner.inputs_at  # the operands of the inner tie, each with a batch axis more or not
         self.in_dtypes = inner.in_dtypes
-        self.needed = inner.needed
         self.outputs_at = inner.outputs_at
         self.out_dims = [dims[at] for at in inner.outputs_at]
 
@@ -292,10 +288,10 @@ def _derivative_batched(tie: Any, args: Sequence[Any], dims: Sequence[Any], axis
     size = axis_data.size
     avals = [_jax_internals.typeof(x) if d is None else _jax_internals.example_aval(_jax_internals.typeof(x), size, d)
              for x, d in zip(args, dims, strict=True)]
-    differentiable = [d for d, dtype in enumerate(tie.in_dtypes) if is_differentiable_dtype(dtype)]
-    # The inputs forward was told need a derivative (a rule's tie: forward runs again only for others); a staged
-    # call's function was told none, and any may move later.
-    moving = sorted({tie.inputs_at[d] for d in ([d for d in differentiable if tie.needed[d]] or differentiable)})
+    # Every differentiable input: any may move in a derivative taken later (forward runs again for those it was
+    # not told need one). The function of a staged call and its rule read the same, so a vmap that batched the
+    # function first gets from the rule the batch axes it fixed.
+    moving = sorted({at for d, at in enumerate(tie.inputs_at) if is_differentiable_dtype(tie.in_dtypes[d])})
 
     def derivative(primals: list, moving_tangents: list) -> list:
         return _rule_along(tie, primals, moving, moving_tangents)[1]

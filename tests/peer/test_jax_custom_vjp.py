@@ -1035,7 +1035,13 @@ def test_symbolic_zero_custom_vjp(maybe_jit, maybe_vmap):
     close(out3, jnp.array([2.0, 3.0]))
     close(ct_in1, 7.0 + 1.0 + 90 + 92)
     close(ct_in2, jnp.array([101.0, 102.0]))
-    assert seen[-1] == (False, False, True, True)
+    if maybe_vmap:
+        # The third output does not vary along the vmap: its batching is read from the Function's derivative
+        # along every float input (any may move in a derivative taken later), forward traced once more knowing
+        # all of them. The call that ran knew these.
+        assert (False, False, True, True) in seen
+    else:
+        assert seen[-1] == (False, False, True, True)
 
 
 def test_symbolic_zero_custom_vjp_vmap_output():
