@@ -131,6 +131,7 @@ def test_the_default_cache_keeps_256_programs():
     assert _scale().cache_info().maxsize == 256
 
 
+@pytest.mark.slow  # seconds of compiles to watch memory: CI runs it
 def test_four_times_cache_size_distinct_static_floats_keep_at_most_cache_size_programs():
     # jit=False: 128 programs without 128 XLA compilations (CI time); the next
     # test covers compiled programs.
@@ -144,6 +145,7 @@ def test_four_times_cache_size_distinct_static_floats_keep_at_most_cache_size_pr
     assert sizes[3] - sizes[1] < 0.25 * sizes[0], sizes
 
 
+@pytest.mark.slow  # seconds of compiles to watch memory: CI runs it
 def test_programs_dropped_from_the_cache_free_their_compiled_code():
     # JAX's own caches keep jaxprs that refer to a program's rules; a dropped
     # program must not keep its jit (and executables) alive through them.

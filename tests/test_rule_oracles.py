@@ -560,7 +560,7 @@ def test_outputs_constant_in_the_batch_agree_with_the_loop(sequence):
     _run(sequence)
 
 
-@_settings(thorough=100, plain=3)
+@_settings(thorough=100, plain=2)
 @given(st.lists(calls(("zeros", "independent", "straight_through"), forms=STAGED, batch_x=True), min_size=1,
                 max_size=2))
 def test_staged_calls_under_vmap_agree_with_the_loop(sequence):
