@@ -98,9 +98,12 @@ class Program:
         derivative runs the rule, and the tie's batching rule batches an
         output whose derivative varies along the batch even where its value
         does not (a loop over the examples gives each its own derivative).
-        The tie lowers to nothing.
+        The tie lowers to nothing. Only where JAX's caches hold it weakly
+        (JAX 0.7 on): before, a staged call's tie would keep its program
+        alive, and such a vmap of a staged call raises an error naming the
+        class instead (``_linear_call``).
         """
-        if self.spec.host or not _jax_internals.is_staging():
+        if self.spec.host or not _jax_internals.is_staging() or not _jax_internals.PARAMETERS_HELD_WEAKLY:
             return self.runner.primal(*arrays)
         arrays = as_arrays(arrays)
         packed, residuals = self.runner.run_primal(arrays)

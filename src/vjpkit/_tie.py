@@ -259,9 +259,14 @@ def _tie_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, tie:
     if _jax_internals.differentiating_here():
         # Its derivative is taken now, and may vary along the batch even where its value does not.
         moving = set(tie.outputs_at)
-    elif not reading_batching.active:
+    elif not reading_batching.active and (
+        _jax_internals.PARAMETERS_HELD_WEAKLY or _jax_internals.custom_jvp_rule_batching() != "after its function"
+    ):
         # Its derivative may be taken later (reverse mode records the tie first, and a second derivative
         # differentiates the record): an output is batched where its value or its derivative varies along the batch.
+        # Before JAX 0.7 a staged call's function is not tied (``Program._primal``): a vmap that batched it first
+        # fixed its outputs' axes by their values, which its rule then keeps (``_linear_call`` raises where the
+        # derivative needs more).
         moving = _derivative_batched(tie, args, dims, axis_data)
     else:  # a tie of the derivative being read: only its tangents are read, the outputs of this order matter
         moving = set()

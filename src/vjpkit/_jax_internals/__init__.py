@@ -87,6 +87,7 @@ from .apis import (
 from .programs import (
     INLINE_INTO_CALLER,
     JAX_KEEPS_TRANSPOSED_JITS,
+    PARAMETERS_HELD_WEAKLY,
     eager_kernel,
     effects_barrier,
     enable_x64,
@@ -131,7 +132,8 @@ from .values import (
 
 __all__ = [
     "HAS_VARYING_TYPES", "INLINE_INTO_CALLER", "JAX_KEEPS_TRANSPOSED_JITS", "JAX_RELEASE",
-    "JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS", "LINEARIZE_IS_TOLD_FROM_VJP", "NEWEST_TESTED_JAX", "Primitive",
+    "JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS", "LINEARIZE_IS_TOLD_FROM_VJP", "NEWEST_TESTED_JAX", "PARAMETERS_HELD_WEAKLY",
+    "Primitive",
     "ShapedArray", "ShardingApi", "ad", "batch_example", "batched_aval", "batching", "buffer_callback_api",
     "cast_to_varying", "closed_over_tracer_type", "custom_jvp_rule_batching", "differentiating_here",
     "differentiation", "eager_kernel", "effects_barrier", "enable_x64", "example_aval", "ffi_api",

@@ -122,6 +122,12 @@ INLINE_INTO_CALLER: Any = _inline.JAX_EARLY if _inline is not None else True
 JAX_KEEPS_TRANSPOSED_JITS = hasattr(_pjit, "_pjit_transpose_trace")
 
 
+# Whether JAX's caches can hold an equation's parameters weakly (``util.weakref_cache_key_types``, JAX 0.7 on).
+# Before, a cache of JAX 0.4.38's keeps the parameters of the equations of a function that jit traced, so an
+# equation in the program's own jit referring to its program keeps that program alive after vjpkit dropped it.
+PARAMETERS_HELD_WEAKLY = hasattr(_require_module("jax._src.util"), "weakref_cache_key_types")
+
+
 def hold_weakly_in_caches(cls: type) -> None:
     """Makes JAX's caches keyed by equation parameters hold instances of ``cls`` weakly.
 
