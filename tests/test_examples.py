@@ -37,8 +37,9 @@ RUN_BY_TEST_TRAINING = {
     "train_mlp.py", "train_sharded.py", "equinox_module.py", "flax_nnx_module.py", "train_transformer.py",
 }
 EXAMPLES = [p for p in ALL_EXAMPLES if p.name not in RUN_BY_TEST_TRAINING]
-# Several JAX processes and a distributed run: marked slow (left out of a plain `pytest`, run in CI).
-SLOW = {"train_multiprocess.py"}
+# Several JAX processes and a distributed run, and the examples that compile kernels (C++ with a compiler, Pallas
+# in interpret mode; their own tests check the kernels in the plain run): marked slow (run in CI).
+SLOW = {"train_multiprocess.py", "cuda_kernel.py", "ffi_kernel.py", "pallas_attention.py"}
 
 
 def required_modules(path):
