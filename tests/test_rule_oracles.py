@@ -572,7 +572,7 @@ def test_staged_calls_under_vmap_agree_with_the_loop(sequence):
     _run(sequence)
 
 
-@_settings(thorough=100, plain=3)
+@_settings(thorough=100, plain=2)
 @given(st.lists(calls(("vmap_rule",), transforms=SECOND), min_size=1, max_size=2))
 def test_vmap_staticmethod_composes_with_second_order(sequence):
     _run(sequence)

@@ -170,6 +170,7 @@ def test_pytorch_originals_run_on_their_inputs_device(name):
 TINY = train_transformer.Config(layers=1, width=8, heads=2, context=8, block=4)
 
 
+@pytest.mark.slow  # a whole training step traced and compiled twice: CI runs it; the ops' own tests stay
 def test_training_step_equals_plain_autodiffs(x64):
     rng = np.random.default_rng(1)
     tokens, targets = train_transformer.sample_batch(rng.integers(0, 128, 500), 3, TINY.context, rng)
