@@ -268,7 +268,7 @@ def _tie_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, tie:
         # fixed its outputs' axes by their values, which its rule then keeps (``_linear_call`` raises where the
         # derivative needs more).
         moving = _derivative_batched(tie, args, dims, axis_data)
-    else:  # a tie of the derivative being read: only its tangents are read, the outputs of this order matter
+    else:  # a tie of a derivative being read (only its tangents count), or before JAX 0.7 a rule after its function
         moving = set()
     for at in moving:
         args[at], dims[at] = batching.bdim_at_front(args[at], dims[at], size), 0
