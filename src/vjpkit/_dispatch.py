@@ -16,8 +16,8 @@ from ._args import as_jax_leaf
 from ._caches import on_clear
 from ._outputs import Packed
 from ._program import Program, no_forward_mode
-from ._runner import Spec
 from ._site import see_catalogue
+from ._spec import Spec
 from ._tree import Partition, Unkeyable, dict_key_types, find_tracer, is_array, lift_static_tracers, static_key
 
 

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from ._ctx import FunctionCtx
 from ._dispatch import CacheInfo, _Cache, _make_apply
-from ._runner import Spec
 from ._site import page, see_catalogue
+from ._spec import describe
 
 
 class _FunctionMeta(type):
@@ -36,7 +36,7 @@ class _FunctionMeta(type):
             return  # Function itself
         if cls.forward is Function.forward:
             return  # an abstract intermediate base
-        cache = _Cache(Spec(cls, Function))
+        cache = _Cache(describe(cls, Function))
         cls._vjpkit_cache = cache
         cls.apply = staticmethod(_make_apply(cache))
 

@@ -111,12 +111,12 @@ class VmapInfo(NamedTuple):
     randomness: str = "error"
 
 
-def make_host(spec: Any, cls: type) -> None:
-    """Routes a host class: replaces ``spec``'s methods by callback-running ones.
+def host_methods(spec: Any, cls: type) -> dict[str, Any]:
+    """A host class's methods, replaced by callback-running ones: ``forward``, ``backward``, ``setup_context``.
 
-    Called once per class, after ``spec.signature`` was bound to the user's
-    forward. The replacements take ``ctx`` first (classic style), whatever
-    style the user wrote, so ``setup_context`` becomes ``None`` on the spec.
+    Read from ``spec``, the class as the user wrote it (its ``signature``
+    binds the user's forward). The replacements take ``ctx`` first (classic
+    style), whatever style the user wrote, so ``setup_context`` is ``None``.
     """
     host = _HostFunction(spec, cls)
 
@@ -125,10 +125,8 @@ def make_host(spec: Any, cls: type) -> None:
 
     forward.__name__ = forward.__qualname__ = f"{spec.name}.forward"
     forward.__doc__ = spec.forward.__doc__  # apply's docstring
-    spec.forward = forward
-    if spec.backward is not None:
-        spec.backward = host.backward
-    spec.setup_context = None
+    backward = None if spec.backward is None else host.backward
+    return {"forward": forward, "backward": backward, "setup_context": None}
 
 
 def _is_shape_like(x: Any) -> bool:

@@ -49,8 +49,9 @@ from . import _jax_internals, _sharding
 from ._args import as_arrays
 from ._linear_call import linear_call
 from ._outputs import Packed, ResidualMeta, Residuals
-from ._runner import Runner, Spec
+from ._runner import Runner
 from ._site import see_catalogue
+from ._spec import Spec
 from ._tie import tie_outputs
 from ._tree import Partition, is_differentiable_dtype
 

@@ -1,4 +1,4 @@
-"""The user's methods: read off the class once (``Spec``), and run on one static part of a call (``Runner``).
+"""The user's methods, run on one static part of a call (``Runner``), as the class's ``Spec`` describes them.
 
 They run while JAX traces, each with a ctx (``_ctx.py``), each named in
 profiles and with JAX's errors about traced values turned into vjpkit's
@@ -15,11 +15,9 @@ profiles and with JAX's errors about traced values turned into vjpkit's
 
 from __future__ import annotations
 
-import functools
 import linecache
 import os
 import traceback
-import types
 from typing import Any, Callable, Sequence
 
 import jax
@@ -34,9 +32,9 @@ from jax.errors import (
 )
 
 from . import _anomaly, _host, _jax_internals, _sharding
-from ._args import Signature, as_arrays, as_jax_leaf, split_residuals
+from ._args import as_arrays, as_jax_leaf, split_residuals
 from ._ctx import Carried, FunctionCtx, call_forward, close, dirty_of, forwarded, method_of, rule_ctx
-from ._once import call_without_derivative, is_once_differentiable
+from ._once import call_without_derivative
 from ._outputs import (
     Packed,
     ResidualMeta,
@@ -48,10 +46,10 @@ from ._outputs import (
     pack_outputs,
 )
 from ._site import see_catalogue
+from ._spec import Spec
 from ._tree import (
     Lifted,
     Partition,
-    Unkeyable,
     find_tracers,
     is_array,
     is_differentiable_dtype,
@@ -60,78 +58,9 @@ from ._tree import (
 )
 
 
-class Spec:
-    """What vjpkit reads off a class, once: its methods (those ``base`` defines count as absent) and options."""
-
-    def __init__(self, cls: Any, base: type):
-        self.name = cls.__name__
-        self.forward = cls.forward
-        # PyTorch documents ``vjp`` as another name of ``backward``.
-        self.backward = _defined(cls, base, "backward") or getattr(cls, "vjp", None)
-        self.jvp = _defined(cls, base, "jvp")
-        self.setup_context = _defined(cls, base, "setup_context")
-        self.signature = Signature(self.name, self.forward, skip_first=self.setup_context is None)
-        sig = self.signature
-        self.takes_inputs = any(name not in sig.defaults for name in (*sig.positional, *sig.keyword_only))
-        # A class made inside a transformed function may close over that function's tracers, which a jit of
-        # its own cannot hold (JAX lowers them as constants): such a class runs as a plain custom_vjp does.
-        # Their ids, and the tracers themselves: a rule's primitive takes them as operands (_program._ClosureConverted).
-        self.closure_values = _closure_tracers(self.forward, self.backward, self.jvp, self.setup_context)
-        self.closure_tracers = frozenset(map(id, self.closure_values))
-        self.closes_over_tracer = bool(self.closure_values)
-        self.jit = bool(cls.jit) and not self.closes_over_tracer
-        self.cache_size = _cache_size(self.name, cls.cache_size)
-        self.once_differentiable = is_once_differentiable(self.backward)
-        self.host = bool(cls.host)
-        self.vmap = _vmap_rule(cls, self)
-        if cls.host:
-            _host.make_host(self, cls)  # NumPy methods, run through jax.pure_callback
-
-
-    def partition_arguments(self, values: tuple) -> tuple[Partition, list]:
-        """The bound arguments split into the static part (keyed by value) and the arrays."""
-        try:
-            return partition(values, is_array, by_value=True)
-        except Unkeyable as e:
-            raise self._unkeyable(values, e) from None
-
-    def _unkeyable(self, values: tuple, e: Unkeyable) -> TypeError:
-        holder = next(i for i, v in enumerate(values) if _path_in(e, v) is not None)
-        name = self.signature.names(len(values))[holder]
-        where = f"{name}{_path_in(e, values[holder])}"
-        culprit, owner = e.culprit, type(e.value).__name__
-        if e.reason == "array":
-            problem = (
-                f"{where} is an array (shape {tuple(culprit.shape)}, dtype {culprit.dtype}), which cannot be "
-                "part of a compile-cache key. Pass the array as an argument of its own (arrays are traced), "
-                f"or hold Python values (floats, tuples) in the {owner} instead. "
-                f"{see_catalogue('static-argument-holding-an-array')}"
-            )
-        else:
-            kind = type(culprit).__name__
-            problem = (
-                f"{where} is an unhashable {kind} "
-                f"{'that refers back to itself' if e.reason == 'cycle' else 'with no fields to compare'}. "
-                f"Make {kind} hashable (define __eq__ and __hash__, or use @dataclass(frozen=True)) "
-                "to key it by its own equality."
-            )
-        return TypeError(
-            f"{self.name}.apply: static argument {name!r} ({owner}) is keyed by its contents, so that a "
-            f"changed object gets a new program; but {problem}"
-        )
-
-
 def _leaf_path(tree: Any, position: int) -> str:
     """The key path of the leaf at ``position`` in ``tree``'s flattening."""
     return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][position][0])
-
-
-def _path_in(e: Unkeyable, value: Any) -> str | None:
-    """Where in the argument ``value`` the unkeyable part is (None if elsewhere)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-        if leaf is e.value:
-            return jax.tree_util.keystr(path) + e.path
-    return None
 
 
 def profiled(owner: str, method: str) -> Any:
@@ -202,80 +131,6 @@ def _user_line(e: BaseException) -> str:
     filename, line = users[-1].filename, users[-1].lineno
     source = linecache.getline(filename, line or 0).strip()
     return f" At line {line} of {filename}" + (f": `{source}`" if source else ".")
-
-
-# ---------------------------------------------------------------------------
-# Reading the class (for Spec).
-
-
-def _cache_size(name: str, value: Any) -> int:
-    # At least one program: a cache that keeps none would drop the program it just made.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"{name}.cache_size must be a positive int (the number of compiled programs kept "
-            f"per class), got {value!r}. {see_catalogue('cache-size-not-positive')}"
-        )
-    return value
-
-
-def _closure_tracers(*methods: Any) -> tuple:
-    """The JAX tracers that the methods' closures hold, each once.
-
-    Directly, as leaves of pytrees, or through the closures of the
-    functions they hold (a helper ``backward`` calls that closes over a
-    tracer, a ``functools.partial`` over one), at any depth.
-    """
-    found: dict[int, Any] = {}
-    seen: set[int] = set()
-    pending = [m for m in methods if m is not None]
-    while pending:
-        function = pending.pop()
-        if id(function) in seen:
-            continue
-        seen.add(id(function))
-        if isinstance(function, functools.partial):
-            pending.append(function.func)
-            contents = [function.args, function.keywords]
-        else:
-            contents = []
-            for cell in getattr(function, "__closure__", None) or ():
-                try:
-                    contents.append(cell.cell_contents)
-                except ValueError:  # not yet bound (the class itself, referred to by its own methods)
-                    continue
-        for leaf in jax.tree_util.tree_leaves(contents):
-            if isinstance(leaf, jax.core.Tracer):
-                found.setdefault(id(leaf), leaf)
-            elif isinstance(leaf, (types.FunctionType, functools.partial)):
-                pending.append(leaf)
-    return tuple(found.values())
-
-
-def _vmap_rule(cls: Any, spec: Spec) -> Callable | None:
-    """The class's ``vmap(info, in_dims, *args)`` staticmethod (PyTorch's batching rule), checked; None if absent.
-
-    A host Function runs its rule on the host (``_host.py``).
-    """
-    rule = getattr(cls, "vmap", None)
-    generated = bool(getattr(cls, "generate_vmap_rule", False))
-    if rule is None:
-        return None  # generate_vmap_rule = True or not: jax.vmap batches forward as written
-    if generated:
-        raise TypeError(
-            f"{spec.name} has both generate_vmap_rule = True and a vmap staticmethod: set "
-            "generate_vmap_rule = False to use the vmap staticmethod, or delete the vmap staticmethod "
-            "to batch forward as written (as PyTorch requires)."
-        )
-    if cls.host:
-        return None  # run on the host, by the host Function's own forward
-    if spec.setup_context is None:
-        raise TypeError(
-            f"{spec.name} defines a vmap staticmethod, which batches forward's outputs only, so forward "
-            f"must not take ctx: write {spec.name}.forward(*inputs) and fill ctx in "
-            f"{spec.name}.setup_context(ctx, inputs, output) (PyTorch's rule for a Function with a "
-            "vmap staticmethod), or delete the vmap staticmethod to batch forward as written."
-        )
-    return rule
 
 
 def _forward_batched_by_rule(spec: Spec, layout: Partition, arrays: tuple) -> Callable:
@@ -358,11 +213,6 @@ def _output_dims(name: str, out: Any, out_dims: Any, out_layout: Partition) -> l
     if not all(d is None or isinstance(d, int) for d in dims):
         raise incompatible
     return dims
-
-
-def _defined(cls: type, base: type, method: str) -> Callable | None:
-    fn = getattr(cls, method)
-    return None if fn is getattr(base, method) else fn
 
 
 # ---------------------------------------------------------------------------
