@@ -11,6 +11,8 @@ is only compiled. Pages with a runner of their own are left to it:
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import pathlib
 import re
 
@@ -69,3 +71,44 @@ def test_every_page_with_code_is_run_or_has_its_own_runner():
             runner = {"porting.md": "test_porting_doc.py", "errors.md": "test_misuse_catalogue.py",
                       "cookbook.md": "test_cookbook.py"}[name]
             assert (ROOT / "tests" / runner).exists(), f"docs/{name} has no runner"
+
+
+# ---------------------------------------------------------------------------
+# The docs name vjpkit's private modules and what is in them (`_tie._Tie`, `_torch/trace.py`): each must exist.
+
+_PRIVATE_NAME = re.compile(r"`(_[a-z_]+(?:/[a-z_]+)*)(\.py|(?:\.[A-Za-z_][A-Za-z_0-9]*)+)`")
+# torch's own private names, which the from_torch table lists by their torch name.
+_TORCH_NAMES = {"_segment_reduce"}
+
+
+def _private_names() -> list[tuple[str, str, str]]:
+    return sorted({
+        (page.name, module, rest)
+        for page in sorted((ROOT / "docs").glob("*.md"))
+        for module, rest in _PRIVATE_NAME.findall(page.read_text())
+        if module not in _TORCH_NAMES and module not in {"__init__", "__main__"}
+    })
+
+
+def _has(value, name: str) -> bool:
+    """Whether ``value`` has attribute ``name``: a class's own, or one its ``__init__`` sets (``self.name = ...``)."""
+    if hasattr(value, name):
+        return True
+    init = getattr(value, "__init__", None) if isinstance(value, type) else None
+    sets = re.compile(rf"self\.{name}\s*[:=]")
+    return init is not None and hasattr(init, "__code__") and sets.search(inspect.getsource(init)) is not None
+
+
+@pytest.mark.parametrize(("page", "module", "rest"), _private_names())
+def test_a_private_name_the_docs_cite_exists(page, module, rest):
+    src = ROOT / "src" / "vjpkit"
+    if rest == ".py":  # a module, named by its file (in the table of its package)
+        assert list(src.rglob(f"{module.rsplit('/', 1)[-1]}.py")), f"{page} names {module}.py, which is not in vjpkit"
+        return
+    assert (src / module).with_suffix(".py").is_file() or (src / module).is_dir(), (
+        f"{page} names {module}{rest}, but vjpkit has no module {module}"
+    )
+    value = importlib.import_module("vjpkit." + module.replace("/", "."))
+    for name in rest.lstrip(".").split("."):
+        assert _has(value, name), f"{page} names {module}{rest}, but {name} is not in {value!r}"
+        value = getattr(value, name, None)

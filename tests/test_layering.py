@@ -96,8 +96,9 @@ def test_no_private_names_imported_across_packages():
 
 
 # The core from top to bottom, as a call meets it: the front, the dispatch, the program, the
-# user-method runner, the class's description (and host Functions' methods), the ctx, outputs and residuals, the tie, the
-# linear_call primitive, then the helpers everything shares. Each imports only modules below it.
+# user-method runner, the class's description (and host Functions' methods), the ctx, outputs
+# and residuals, the tie, the linear_call primitive, then the helpers everything shares. Each
+# imports only modules below it.
 CORE = [
     "_function", "_dispatch", "_program", "_runner", "_spec", "_host", "_ctx", "_outputs", "_tie", "_linear_call",
     "_anomaly", "_once", "_args", "_sharding", "_tree", "_caches", "_callback_errors", "_jax_internals", "_site",
