@@ -76,51 +76,52 @@ def wrap(origin: Origin) -> Any:
 def _level_zero_class(origin: Origin) -> Any:
     # Per static part and (shape, dtype) of each array: torch's output kinds depend on nothing else
     # (the dtypes are JAX's canonical ones, so x64 is in them).
-    programs: dict[Any, _Program] = _caches.table()
+    computations: dict[Any, _TorchComputation] = _caches.table()
 
-    def program_for(values: tuple) -> tuple[_Program, list]:
+    def computation_for(values: tuple) -> tuple[_TorchComputation, list]:
         _refuse_torch_tensors(origin, values)
         layout, arrays = partition(values, is_array, by_value=True)
         kinds = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
         key = (layout, kinds)
-        program = programs.get(key)
-        if program is None:
-            program = programs[key] = _Program.original(origin, layout, kinds, leaf_names(origin, layout))
-        return program, arrays
+        computation = computations.get(key)
+        if computation is None:
+            names = leaf_names(origin, layout)
+            computation = computations[key] = _TorchComputation.original(origin, layout, kinds, names)
+        return computation, arrays
 
     def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
         values = (*args, *(kwargs[k] for k in origin.keyword_only))
-        program, arrays = program_for(values)
-        owners = program.layout.owners()
+        computation, arrays = computation_for(values)
+        owners = computation.layout.owners()
         wanted = tuple(
             bool(ctx.needs_input_grad[owners[i][0]]) and is_differentiable_dtype(dtype)
-            for i, (_, dtype) in zip(program.layout.dynamic, program.in_kinds, strict=True)
+            for i, (_, dtype) in zip(computation.layout.dynamic, computation.in_kinds, strict=True)
         )
         ctx.save_for_backward(*arrays)
         ctx.save_for_forward(*arrays)
-        ctx.program = program
+        ctx.computation = computation
         ctx.wanted = wanted
         # An unused output's gradient arrives as None, so that torch sees it absent
         # (and applies the original's own set_materialize_grads).
         ctx.set_materialize_grads(False)
-        return program.out_layout.combine(program.call(arrays, wanted, batched=origin.batching_rule))
+        return computation.out_layout.combine(computation.call(arrays, wanted, batched=origin.batching_rule))
 
     def backward(ctx: FunctionCtx, *grads: Any) -> Any:
-        program: _Program = ctx.program
-        grad_leaves = program.out_layout.treedef.flatten_up_to(
-            grads[0] if program.single_output else grads
+        computation: _TorchComputation = ctx.computation
+        grad_leaves = computation.out_layout.treedef.flatten_up_to(
+            grads[0] if computation.single_output else grads
         )
-        given, cotangents = program.cotangents([grad_leaves[i] for i in program.out_layout.dynamic])
-        gradients = program.vjp(ctx.wanted, given).apply(*ctx.saved_tensors, *cotangents)
+        given, cotangents = computation.cotangents([grad_leaves[i] for i in computation.out_layout.dynamic])
+        gradients = computation.vjp(ctx.wanted, given).apply(*ctx.saved_tensors, *cotangents)
         per_leaf = iter(gradients)
         leaves = [next(per_leaf) if w else None for w in ctx.wanted]
-        return tuple(program.layout.combine(leaves, keep_static=False))
+        return tuple(computation.layout.combine(leaves, keep_static=False))
 
     def jvp(ctx: FunctionCtx, *tangents: Any) -> Any:
-        program: _Program = ctx.program
-        leaves = program.layout.treedef.flatten_up_to(tangents)
-        dynamic = [leaves[i] for i in program.layout.dynamic]
-        return program.out_layout.combine(program.jvp(ctx.saved_tensors, dynamic), keep_static=False)
+        computation: _TorchComputation = ctx.computation
+        leaves = computation.layout.treedef.flatten_up_to(tangents)
+        dynamic = [leaves[i] for i in computation.layout.dynamic]
+        return computation.out_layout.combine(computation.jvp(ctx.saved_tensors, dynamic), keep_static=False)
 
     namespace: dict[str, Any] = {"__doc__": origin.doc, "__module__": __name__, "forward": staticmethod(forward),
                                  "_vjpkit_from_torch": True}
@@ -152,7 +153,7 @@ def _refuse_torch_tensors(origin: Origin, values: tuple) -> None:
 # A torch computation of flat tensors, and its derivatives.
 
 
-class _Program:
+class _TorchComputation:
     """A torch computation from flat tensors to flat tensors, and how to run it in JAX.
 
     ``run(tensors, create_graph)`` computes the outputs (``None`` for a zero)
@@ -176,7 +177,7 @@ class _Program:
         self._vjps: dict[tuple, Any] = _caches.table()
 
     @classmethod
-    def original(cls, origin: Origin, layout: Partition, in_kinds: tuple, in_names: tuple) -> _Program:
+    def original(cls, origin: Origin, layout: Partition, in_kinds: tuple, in_names: tuple) -> _TorchComputation:
         """Level 0: the original, called with the static arguments in place."""
         torch = origin.torch
 
@@ -201,20 +202,20 @@ class _Program:
                 )
             return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
-        program = cls(origin, origin.forward_name, run, in_kinds, (), in_names)
-        out_leaves, out_treedef = infer_outputs(program, run, out_info)
+        computation = cls(origin, origin.forward_name, run, in_kinds, (), in_names)
+        out_leaves, out_treedef = infer_outputs(computation, run, out_info)
         tensor_at = [k for k, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
-        program.out_kinds = tuple(_torch_kind(out_leaves[k]) for k in tensor_at)
-        program.differentiable_out = tuple(is_differentiable_dtype(d) for _, d in program.out_kinds)
+        computation.out_kinds = tuple(_torch_kind(out_leaves[k]) for k in tensor_at)
+        computation.differentiable_out = tuple(is_differentiable_dtype(d) for _, d in computation.out_kinds)
         marker = object()
         template = [marker if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
-        program.out_layout = partition(jax.tree_util.tree_unflatten(out_treedef, template),
+        computation.out_layout = partition(jax.tree_util.tree_unflatten(out_treedef, template),
                                        lambda x: x is marker)[0]
         # A plain tuple output gives backward one gradient per element; anything else (a namedtuple too,
         # as vjpkit's Functions treat it) one gradient of its structure.
-        program.single_output = not program.out_layout.is_tuple()
-        program.layout = layout
-        return program
+        computation.single_output = not computation.out_layout.is_tuple()
+        computation.layout = layout
+        return computation
 
     # -- JAX side -------------------------------------------------------------
 
@@ -242,10 +243,11 @@ class _Program:
         return list(call_without_derivative(forward_of_arrays, list(arrays), message))
 
     def vjp(self, wanted: tuple, given: tuple) -> Any:
-        """The vjpkit Function computing this program's input gradients (for ``wanted`` inputs)."""
+        """The vjpkit Function computing this computation's input gradients (for ``wanted`` inputs)."""
         cls = self._vjps.get((wanted, given))
         if cls is None:
-            cls = self._vjps[wanted, given] = _flat_class(_Program.vjp_of(self, wanted, given), self.origin.has_jvp)
+            vjp = _TorchComputation.vjp_of(self, wanted, given)
+            cls = self._vjps[wanted, given] = _flat_class(vjp, self.origin.has_jvp)
         return cls
 
     def cotangents(self, grad_leaves: Sequence[Any]) -> tuple[tuple, list]:
@@ -254,7 +256,7 @@ class _Program:
         return given, [g for g, d in zip(grad_leaves, self.differentiable_out, strict=True) if d and g is not None]
 
     @classmethod
-    def vjp_of(cls, inner: _Program, wanted: tuple, given: tuple) -> _Program:
+    def vjp_of(cls, inner: _TorchComputation, wanted: tuple, given: tuple) -> _TorchComputation:
         """Level k+1: (inputs, given output cotangents) to the wanted inputs' gradients, by torch autograd.
 
         An output without a cotangent is left out of ``torch.autograd.grad``,
@@ -303,7 +305,7 @@ class _Program:
         return [next(got) if diff else None
                 for (s, _), diff in zip(self.out_kinds, self.differentiable_out, strict=True)]
 
-    # -- host side: run when the compiled program runs --------------------------
+    # -- host side: run when the compiled program runs ---------------------------
 
     def _tensors(self, xs: Sequence[Any]) -> list:
         torch = self.origin.torch
@@ -486,28 +488,28 @@ def _conj(t: Any) -> Any:
 # Levels >= 1: flat vjpkit Functions of (inputs, cotangents).
 
 
-def _flat_class(program: _Program, has_jvp: bool) -> Any:
-    """A vjpkit Function of flat arrays running ``program``; its backward is the next level."""
+def _flat_class(computation: _TorchComputation, has_jvp: bool) -> Any:
+    """A vjpkit Function of flat arrays running ``computation``; its backward is the next level."""
 
     def forward(ctx: FunctionCtx, *arrays: Any) -> Any:
         wanted = tuple(bool(n) and is_differentiable_dtype(d)
-                       for n, (_, d) in zip(ctx.needs_input_grad, program.in_kinds, strict=True))
+                       for n, (_, d) in zip(ctx.needs_input_grad, computation.in_kinds, strict=True))
         ctx.save_for_backward(*arrays)
         ctx.save_for_forward(*arrays)
         ctx.wanted = wanted
-        return tuple(program.call(arrays, wanted))
+        return tuple(computation.call(arrays, wanted))
 
     def backward(ctx: FunctionCtx, *grads: Any) -> Any:
-        given, cotangents = program.cotangents(grads)
-        gradients = iter(program.vjp(ctx.wanted, given).apply(*ctx.saved_tensors, *cotangents))
+        given, cotangents = computation.cotangents(grads)
+        gradients = iter(computation.vjp(ctx.wanted, given).apply(*ctx.saved_tensors, *cotangents))
         return tuple(next(gradients) if w else None for w in ctx.wanted)
 
     def jvp(ctx: FunctionCtx, *tangents: Any) -> Any:
-        return tuple(program.jvp(ctx.saved_tensors, tangents))
+        return tuple(computation.jvp(ctx.saved_tensors, tangents))
 
-    forward.__name__ = forward.__qualname__ = f"{program.method}.forward"
+    forward.__name__ = forward.__qualname__ = f"{computation.method}.forward"
     namespace = {"__module__": __name__, "forward": staticmethod(forward), "backward": staticmethod(backward)}
     if has_jvp:  # forward over reverse: torch's forward AD through the backward's operations
         namespace["jvp"] = staticmethod(jvp)
-    return type(program.method, (Function,), namespace)
+    return type(computation.method, (Function,), namespace)
 

@@ -28,7 +28,7 @@ def infer_outputs(program: Any, run: Callable, out_info: dict) -> tuple[list, An
     learned from samples worthless where they reach an output: forward then
     runs once more with each such result one row longer, and an output shape
     that follows is refused here, naming the operation. (Every callback also
-    checks its outputs' shapes against these, ``callback._Program._to_numpy``.)
+    checks its outputs' shapes against these, ``callback._TorchComputation._to_numpy``.)
     """
     torch = program.origin.torch
     meta = [torch.empty(shape, dtype=torch_dtype(dtype), device="meta") for shape, dtype in program.in_kinds]
