@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vjpkit
-from vjpkit._checking import runner
+from vjpkit._checking import checkers
 
 # jax.enable_x64 or its older home. Not the x64 fixture:
 # A scope inside one check: the compiled verdict in float64 beside gradcheck run with x64 off.
@@ -212,13 +212,13 @@ def test_gradcheck_verdict_is_the_compiled_programs_verdict(program):
 @contextlib.contextmanager
 def checks_run_op_by_op():
     """Every checking program made inside runs op by op, never compiled whole."""
-    repeats, seconds = runner._REPEATS_FOR_OP_BY_OP, runner._compile_seconds
-    runner._REPEATS_FOR_OP_BY_OP, runner._compile_seconds = 0, lambda equations: float("inf")
+    repeats, seconds = checkers._REPEATS_FOR_OP_BY_OP, checkers._compile_seconds
+    checkers._REPEATS_FOR_OP_BY_OP, checkers._compile_seconds = 0, lambda equations: float("inf")
     vjpkit.clear_caches()
     try:
         yield
     finally:
-        runner._REPEATS_FOR_OP_BY_OP, runner._compile_seconds = repeats, seconds
+        checkers._REPEATS_FOR_OP_BY_OP, checkers._compile_seconds = repeats, seconds
         vjpkit.clear_caches()
 
 
@@ -272,7 +272,7 @@ def tanh_loop(x):
 
 
 def checking_programs():
-    return [program for entries in runner.CACHE.by_owner.values() for checker in entries.values()
+    return [program for entries in checkers.CACHE.by_owner.values() for checker in entries.values()
             for program, _ in checker._variants.values()]
 
 
@@ -293,7 +293,7 @@ def test_a_check_of_few_kernels_is_compiled_at_once():
 
 def test_a_check_run_op_by_op_is_compiled_once_its_runs_cost_the_compile(monkeypatch):
     vjpkit.clear_caches()
-    monkeypatch.setattr(runner, "_compile_seconds", lambda equations: 0.0)
+    monkeypatch.setattr(checkers, "_compile_seconds", lambda equations: 0.0)
     x = np.array([0.3, -0.8, 1.1])
     verdicts = [gradcheck_verdict(tanh_loop, x) for _ in range(3)]
     (program,) = checking_programs()

@@ -45,9 +45,9 @@ a forward mode (``jax.custom_vjp``) need no ``modes=("rev",)``.
 The package, one module per concern; the core of vjpkit never imports it:
 
 - ``api``: ``gradcheck`` and the course of one check;
-- ``options``, ``ports``: what is checked, and the leaves it is checked on;
+- ``options``, ``leaves``: what is checked, and the leaves it is checked on;
 - ``jacobian``: the checking program (Jacobians and their comparison);
-- ``runner``: checkers, each a compiled program, cached per function;
+- ``checkers``: checkers, each a traced check run op by op or compiled, cached per function;
 - ``report``: ``GradcheckError``, ``JacobianMismatch`` and the reports;
 - ``gradgrad``: ``gradgradcheck``;
 - ``assertions``, ``random_inputs``, ``torch_parity``: ``vjpkit.testing``;

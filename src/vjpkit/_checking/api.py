@@ -8,8 +8,9 @@ import numpy as np
 
 from .. import _jax_internals
 from .._function import reject_torch_function
+from .checkers import checker_for
+from .leaves import split_inputs
 from .options import DEFAULT_NAMING, Options, Tolerances, as_args, validate
-from .ports import split_inputs
 from .report import (
     JACOBIANS,
     GradcheckError,
@@ -22,7 +23,6 @@ from .report import (
     trace_warnings,
     warn,
 )
-from .runner import checker_for
 
 
 def gradcheck(

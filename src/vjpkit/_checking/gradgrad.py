@@ -12,10 +12,18 @@ from .. import _jax_internals
 from .._function import reject_torch_function
 from .._tree import is_array
 from .api import run_check
+from .checkers import CACHE, DerivedFunction
 from .jacobian import Notes, on_real_views
+from .leaves import (
+    CheckedLeaf,
+    differentiable_outputs,
+    input_leaves,
+    is_inexact,
+    real_view_shapes,
+    signature,
+    split_inputs,
+)
 from .options import Naming, Options, Tolerances, as_args
-from .ports import Port, differentiable_outputs, input_ports, is_inexact, real_view_shapes, signature, split_inputs
-from .runner import CACHE, DerivedFunction
 
 
 def gradgradcheck(
@@ -84,7 +92,7 @@ def gradgradcheck(
     tolerances = Tolerances(float(eps), float(atol), float(rtol), float(nondet_tol))
     args = as_args(inputs)
     with _jax_internals.enable_x64(True):
-        outputs = output_ports(fn, args)
+        outputs = output_leaves(fn, args)
     if grad_outputs is None:
         rng = np.random.default_rng(0)
         cotangents = tuple(
@@ -124,20 +132,20 @@ class VJPOf(DerivedFunction):
         return split.layout.combine([next(given) if p else None for p in split.perturbed], keep_static=False)
 
 
-def output_ports(fn: Callable, args: tuple) -> list[Port]:
+def output_leaves(fn: Callable, args: tuple) -> list[CheckedLeaf]:
     """fn's differentiable output leaves at these arguments (traced once, cached)."""
     split, diff, fixed = split_inputs(args)
     key = ("outputs", split.key, signature(diff, fixed), _jax_internals.trace_configuration())
 
-    def trace() -> list[Port]:
-        notes, inputs = Notes(), input_ports(split, diff)
+    def trace() -> list[CheckedLeaf]:
+        notes, inputs = Notes(), input_leaves(split, diff)
         jax.eval_shape(on_real_views(fn, split, inputs, notes), real_view_shapes(inputs), tuple(fixed))
         return notes.outputs
 
     return CACHE.get(fn, key, trace)
 
 
-def check_grad_outputs(cotangents: tuple, outputs: list[Port]) -> None:
+def check_grad_outputs(cotangents: tuple, outputs: list[CheckedLeaf]) -> None:
     leaves = jax.tree_util.tree_leaves(cotangents)
     want = [p.shape for p in outputs]
     if [tuple(np.shape(c)) for c in leaves] != want or not all(is_array(c) and is_inexact(c) for c in leaves):

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .leaves import CheckedLeaf, Inputs, differentiable_outputs, from_real_view, real_view, real_view_shapes, site
 from .options import Options, Tolerances
-from .ports import Inputs, Port, differentiable_outputs, from_real_view, real_view, real_view_shapes, site
 
 # Largest batch of perturbed inputs (or one-hot cotangents) vmapped at once,
 # in bytes of float64 inputs plus outputs. Beyond it the batch is split into
@@ -69,7 +69,7 @@ class Notes:
     """What tracing the program learned; read when interpreting its results."""
 
     def __init__(self) -> None:
-        self.outputs: list[Port] = []
+        self.outputs: list[CheckedLeaf] = []
         self.reset()
 
     def reset(self) -> None:
@@ -110,7 +110,7 @@ def _batched(f: Callable, xs: Any, n: int, per_item: int, notes: Notes, where: s
         return out
 
 
-def on_real_views(fn: Callable, split: Inputs, inputs: list[Port], notes: Notes) -> Callable:
+def on_real_views(fn: Callable, split: Inputs, inputs: list[CheckedLeaf], notes: Notes) -> Callable:
     """``fn`` as a function of the real views of the perturbed leaves.
 
     Returns the real views (float64) of fn's differentiable output leaves,
@@ -121,7 +121,7 @@ def on_real_views(fn: Callable, split: Inputs, inputs: list[Port], notes: Notes)
         diff = [from_real_view(v, p.is_complex) for v, p in zip(x, inputs, strict=True)]
         outputs = differentiable_outputs(fn(*split.merge(diff, fixed)))
         notes.outputs = [
-            Port(*site(path), tuple(y.shape), y.dtype, jnp.iscomplexobj(y)) for path, y in outputs
+            CheckedLeaf(*site(path), tuple(y.shape), y.dtype, jnp.iscomplexobj(y)) for path, y in outputs
         ]
         return tuple(real_view(y) for _, y in outputs)
 
@@ -407,7 +407,7 @@ def _fast_body(t: _Trace) -> tuple:
     return analytical, blocks
 
 
-def random_directions(evaluate: Callable, inputs: list[Port], fixed: list) -> tuple:
+def random_directions(evaluate: Callable, inputs: list[CheckedLeaf], fixed: list) -> tuple:
     """Fast mode's u (one per input) and v (one per output): uniform [0, 1), unit norm, as PyTorch's."""
     ys = jax.eval_shape(evaluate, real_view_shapes(inputs), tuple(fixed))
     rng = np.random.default_rng(0)
@@ -419,7 +419,7 @@ def random_directions(evaluate: Callable, inputs: list[Port], fixed: list) -> tu
     return tuple(unit(p.shape) for p in real_view_shapes(inputs)), tuple(unit(y.shape) for y in ys)
 
 
-def forward_mode_errors(evaluate: Callable, inputs: list[Port], fixed: list,
+def forward_mode_errors(evaluate: Callable, inputs: list[CheckedLeaf], fixed: list,
                          each_input: bool) -> tuple[BaseException | None, dict[int, BaseException]]:
     """What ``jax.jvp`` of ``fn`` raises: when fn has no forward mode, and, with
     ``each_input``, when differentiated along one input alone (the other

@@ -11,10 +11,10 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from .checkers import Checker
 from .jacobian import BATCHED_GRAD_SAMPLES, Notes, Output
+from .leaves import CheckedLeaf
 from .options import Naming, Tolerances
-from .ports import Port
-from .runner import Checker
 
 
 class GradcheckError(RuntimeError):
@@ -230,7 +230,7 @@ def jacobian_report(fn, checker, diff, fixed, tol, naming, first=None) -> tuple[
     return problems, mismatches
 
 
-def _element(port: Port, flat: int) -> tuple:
+def _element(port: CheckedLeaf, flat: int) -> tuple:
     shape = port.shape + ((2,) if port.is_complex else ())
     index: tuple = tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
     if port.is_complex:

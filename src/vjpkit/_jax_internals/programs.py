@@ -216,7 +216,7 @@ def _trace_context_with_vjpkit_states() -> tuple:
 
 
 # ---------------------------------------------------------------------------
-# The configuration a trace depends on (_checking/runner.py keys its checkers by it).
+# The configuration a trace depends on (_checking/checkers.py keys its checkers by it).
 
 
 # ``jax._src.config.trace_context`` in every supported JAX (0.4.38 on); no public name.

@@ -31,9 +31,9 @@ from .jacobian import (
     on_real_views,
     random_directions,
 )
+from .leaves import CheckedLeaf, Inputs, input_leaves, signature
 from .op_by_op import OpByOp
 from .options import Options, Tolerances
-from .ports import Inputs, Port, input_ports, signature
 
 _CACHE_SIZE = 64
 
@@ -48,8 +48,8 @@ class Checker:
     def __init__(self, split: Inputs, diff: list, options: Options):
         self.options = options
         self.split = split
-        self.inputs = input_ports(split, diff)
-        self.outputs: list[Port] = []  # fn's differentiable outputs (known after the first trace)
+        self.inputs = input_leaves(split, diff)
+        self.outputs: list[CheckedLeaf] = []  # fn's differentiable outputs (known after the first trace)
         # report variant or not -> (program, what its trace recorded): the
         # variants record their summary rows in different orders.
         self._variants: dict[bool, tuple[Callable, Notes]] = {}
@@ -90,10 +90,10 @@ class Checker:
             self.rerun = jax.default_backend() != "cpu" or _has_host_calls(jaxpr.jaxpr)
         self.outputs = notes.outputs
         notes.detach()
-        return CheckingProgram(jaxpr, jax.tree.structure(out_shape)), notes
+        return TracedCheck(jaxpr, jax.tree.structure(out_shape)), notes
 
 
-class CheckingProgram:
+class TracedCheck:
     """One traced checking program: run op by op while that is cheaper, compiled once compiling pays.
 
     Both ways run the same jaxpr with XLA's kernels, the ones a user's

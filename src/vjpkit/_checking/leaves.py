@@ -88,7 +88,7 @@ def from_real_view(x: jax.Array, is_complex: bool) -> jax.Array:
     return lax.complex(x[..., 0], x[..., 1]) if is_complex else x
 
 
-class Port(NamedTuple):
+class CheckedLeaf(NamedTuple):
     """A differentiable input or output leaf, as the report names it."""
 
     index: int  # type: ignore[assignment]  # the argument's position, shadowing tuple.index
@@ -98,9 +98,9 @@ class Port(NamedTuple):
     is_complex: bool
 
 
-def input_ports(split: Inputs, diff: list) -> list[Port]:
+def input_leaves(split: Inputs, diff: list) -> list[CheckedLeaf]:
     return [
-        Port(index, path, tuple(np.shape(v)), v.dtype, jnp.iscomplexobj(v))
+        CheckedLeaf(index, path, tuple(np.shape(v)), v.dtype, jnp.iscomplexobj(v))
         for (index, path), v in zip(split.diff_sites(), diff, strict=True)
     ]
 
@@ -110,7 +110,7 @@ def signature(diff: list, fixed: list) -> tuple:
     return tuple((np.shape(v), np.dtype(v.dtype), bool(getattr(v, "weak_type", False))) for v in (*diff, *fixed))
 
 
-def real_view_shapes(inputs: list[Port]) -> tuple:
+def real_view_shapes(inputs: list[CheckedLeaf]) -> tuple:
     return tuple(
         jax.ShapeDtypeStruct(p.shape + ((2,) if p.is_complex else ()), jnp.float64) for p in inputs
     )
