@@ -182,3 +182,45 @@ def test_port_check_with_a_torch_function_as_the_port_points_to_from_torch(torch
 
     with pytest.raises(TypeError, match=r"^vjpkit\.testing\.port_differences \(its port\): " + POINTS_TO_FROM_TORCH):
         assert_port_matches_original(torch_exp, torch_exp, np.ones(3))
+
+
+# ---------------------------------------------------------------------------
+# assert_matches_torch and assert_port_matches_original compare alike.
+
+
+def test_both_checks_report_the_same_largest_difference(torch_exp):
+    from vjpkit.testing import assert_matches_torch, port_differences
+
+    def port(x):  # exp(x), 0.5 too large at element 2
+        return jnp.exp(x) + jnp.array([0.0, 0.0, 0.5, 0.0, 0.0])
+
+    x = np.zeros(5)
+    assert port_differences(port, torch_exp, x)["output"] == 0.5
+    with pytest.raises(AssertionError) as raised:
+        assert_matches_torch(torch_exp, port, (x,))
+    message = str(raised.value)
+    assert "in 1 place(s)" in message and "- output 0: 1 of 5 elements differ" in message
+    assert "worst: element (2,)" in message and "abs diff: 0.5 " in message
+
+
+def test_both_checks_fail_on_a_nan_that_only_the_port_returns(torch_exp):
+    from vjpkit.testing import assert_matches_torch, assert_port_matches_original, port_differences
+
+    def port(x):  # exp(x), but NaN at the last element
+        return jnp.where(x > 0.9, jnp.nan, jnp.exp(x))
+
+    x = np.linspace(0.0, 1.0, 5)
+    assert np.isnan(port_differences(port, torch_exp, x)["output"])
+    expected = r"(?s)does not match its original TorchExp .*\n  output: largest difference nan"
+    with pytest.raises(AssertionError, match=expected):
+        assert_port_matches_original(port, torch_exp, x)
+    with pytest.raises(AssertionError, match=r"(?s)- output 0: 1 of 5 elements differ.*vjpkit: nan"):
+        assert_matches_torch(torch_exp, port, (x,))
+
+
+def test_both_checks_let_a_nan_agree_with_a_nan(torch_exp):
+    from vjpkit.testing import assert_matches_torch, port_differences
+
+    x = np.array([0.0, np.nan, 0.0])  # exp and its gradient are NaN at element 1 on both sides
+    assert port_differences(jnp.exp, torch_exp, x) == {"output": 0.0, "gradient": 0.0}
+    assert_matches_torch(torch_exp, jnp.exp, (x,))

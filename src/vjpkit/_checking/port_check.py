@@ -25,6 +25,7 @@ import numpy as np
 from .. import _jax_internals
 from .._function import reject_torch_function
 from .._torch import from_torch
+from .comparison import largest_difference, sin_loss
 
 __all__ = ["assert_port_matches_original", "port_differences"]
 
@@ -46,7 +47,8 @@ def port_differences(port: Any, original: Any, *args: Any, argnums: Sequence[int
 
     Returns:
         ``{"output": ..., "gradient": ..., ...}``: per check, the largest
-        absolute difference over every output (or gradient) element. Both
+        absolute difference over every output (or gradient) element (NaN
+        where only one side is NaN; a NaN on both sides agrees). Both
         run in one ``jax.jit`` program; the loss differentiated is
         ``sum(sin(leaf))`` over every floating output leaf, so that no
         output's gradient is constant.
@@ -98,10 +100,10 @@ def port_differences(port: Any, original: Any, *args: Any, argnums: Sequence[int
 
         if in_axes is None:
             got = jax.jit(step)(*arrays)
-            return {check: _largest(got["port"][check], got["original"][check]) for check in got["port"]}
+            return {check: largest_difference(got["port"][check], got["original"][check]) for check in got["port"]}
         axes = tuple(in_axes[k] for k in arrays_at)
         batched = jax.jit(jax.vmap(step, in_axes=axes))(*arrays)
-        return {f"vmap {check}": _largest(batched["port"][check], batched["original"][check])
+        return {f"vmap {check}": largest_difference(batched["port"][check], batched["original"][check])
                 for check in batched["port"]}
 
 
@@ -171,7 +173,7 @@ def _measure(fn: Callable, args: tuple, arrays_at: list, argnums: tuple, second_
     def loss(*diff: Any) -> Any:
         leaves = [leaf for leaf in jax.tree_util.tree_leaves(call(*diff))
                   if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
-        return sum((jnp.sum(jnp.sin(leaf)) for leaf in leaves), jnp.zeros(()))
+        return sin_loss(jnp, leaves)
 
     at = [xs[arrays_at.index(k)] for k in argnums]
     result = {"output": call(*at)}
@@ -184,20 +186,6 @@ def _measure(fn: Callable, args: tuple, arrays_at: list, argnums: tuple, second_
 
             result["second order"] = jax.grad(gradient_sum, argnums=tuple(range(len(at))))(*at)
     return result
-
-
-def _largest(a: Any, b: Any) -> float:
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    if len(la) != len(lb):
-        return float("inf")
-    worst = 0.0
-    for x, y in zip(la, lb, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.shape != y.shape:
-            return float("inf")
-        if x.size:
-            worst = max(worst, float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))))
-    return worst
 
 
 def _is_array(x: Any) -> bool:
