@@ -36,7 +36,8 @@ partial_eval.JaxprTrace, JaxprTracer (reverse mode's   0.4.38 to 0.6   none (and
   jvp over partial evaluation, its known values)                       jax_use_direct_linearize off)
 partial_eval.JaxprTrace, JaxprTracer (a rule run by    0.7 on          none
   linearize_from_jvp)
-ad.JVPTrace, ad.LinearizeTrace                         all             none
+ad.JVPTrace, ad.LinearizeTrace                         all             none; ``jax.experimental.hijax``
+                                                                       (0.10 on, see below)
 ad.LinearizeTracer, JVPTracer (vjpkit's linearize)     all             none
 config.use_direct_linearize                            all             none (read as on where absent)
 config.config_ext                                      all             none (``jax.config`` defines no states)
@@ -55,6 +56,25 @@ api_util.debug_info, save_wrapped_fun_debug_info       0.7 on          none (fou
 source_info_util._source_info_context (a named scope)  0.4.38          ``jax.named_scope`` (0.5 on: as
                                                                        cheap)
 =====================================================  ==============  ==========================================
+
+The frame walks (``traces.differentiation``, ``vmap_batches_here``,
+``custom_jvp_rule_batching``) answer what a ``custom_jvp`` rule is never
+told: which differentiation, or which vmap, runs it. Two public routes were
+measured. ``jax.custom_vjp(symbolic_zeros=True)`` for classes with only
+``backward`` gives first order alone: a second derivative then differentiates
+forward's code, not the Function's rules, a staged call differentiated later
+brings back the stale residuals of jax#16614, and every walk is still
+reached on the other paths. ``jax.experimental.hijax``'s class-based
+primitive (``VJPHiPrimitive`` in 0.10, ``HiPrim`` in 0.12) is told by which
+rule JAX calls (``jvp``; ``lin``/``linearized``; ``vjp_fwd`` with the
+inputs' ``needs_input_grad``, then ``vjp_bwd``; ``batch``): a probe of a
+Function on it passed first and second order, vmap against a loop, scan,
+cond, export and the jax#16614 sequence on 0.10.2 and 0.12, with no frame
+walk. What stands in the way of moving the core to it: ``jax.checkpoint``
+(without ``jax_remat3``) transposes the ``jvp`` rule instead of calling
+``vjp_fwd``/``vjp_bwd``, so a class with only ``backward`` fails there until
+its tangent is a linear primitive of its own, as here; its names and
+signatures changed between 0.10 and 0.12; and JAX before 0.10 has none.
 
 Public names whose home or meaning changed: ``jax.enable_x64`` (0.8 on;
 ``jax.experimental.enable_x64`` before), ``jax.Inline`` (``jit``'s
