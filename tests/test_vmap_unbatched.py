@@ -523,3 +523,52 @@ def test_where_the_fixed_batch_axes_disagree_with_the_rule_vjpkit_raises_rather_
     with pytest.raises(ValueError, match=rf"{fn.__name__} has an output that does not vary along a jax\.vmap but "
                                          r"whose derivative does .* fixed the output's batch axis by its value alone"):
         jax.grad(loss)(EXAMPLES)
+
+
+class ScaledRules(vjpkit.Function):
+    """Rules scaled apart from forward's derivative; backward gives None for an input not differentiated."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        c = jnp.cos(x)
+        ctx.save_for_backward(x, w, c)
+        return x * w, jnp.sin(x)
+
+    @staticmethod
+    def backward(ctx, g0, g1):
+        x, w, c = ctx.saved_tensors
+        gx = 2.0 * (g0 * w + g1 * c) if ctx.needs_input_grad[0] else None
+        gw = 3.0 * g0 * x if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+    @staticmethod
+    def jvp(ctx, tx, tw):
+        x, w, c = ctx.saved_tensors
+        return 2.0 * tx * w + 3.0 * x * tw, 2.0 * c * tx
+
+
+@pytest.mark.parametrize("staged", ["jit(vmap)", "vmap(jit)"])
+def test_forward_over_reverse_of_a_staged_vmapped_call_batches_its_record_as_backward_does(staged):
+    # Reverse mode records the staged, vmapped call; forward mode over it then evaluates that record. Its
+    # second output's tangent, 2 cos(x) tx, is zero for x, not differentiated, but a batched zero where the
+    # jvp computes it: it raised "got axis spec None but output was batched" (found by the rule oracles).
+    xs = jnp.asarray([[0.4, -0.9, 1.1], [0.7, 0.5, -0.6]])
+    ws = jnp.asarray([[1.2, -0.5, 0.8], [-0.3, 0.9, 0.6]])
+    t1 = jnp.asarray([[0.5, -1.0, 0.8], [1.1, 0.3, -0.7]])
+    t2 = jnp.asarray([[0.2, 0.9, -0.4], [-0.8, 0.6, 1.0]])
+    apply = jax.vmap(ScaledRules.apply) if staged == "jit(vmap)" else jax.vmap(jax.jit(ScaledRules.apply))
+    apply = jax.jit(apply) if staged == "jit(vmap)" else apply
+
+    def loss(x, w, f):
+        y0, y1 = f(x, w)
+        return (t1 * jnp.sin(y0)).sum() + (t2 * jnp.sin(y1)).sum()
+
+    def loop_apply(x, w):
+        return loop(ScaledRules.apply, (0, 0), x, w)
+
+    second = jax.jacfwd(jax.grad(loss, 1), 1)
+    # By hand: the gradient in w is 3 t1 cos(x w) x (backward); its derivative in w, with x w's tangent
+    # 3 x tw (jvp), is -9 x^2 t1 sin(x w) on the diagonal.
+    by_hand = jnp.diag((-9.0 * xs**2 * t1 * jnp.sin(xs * ws)).ravel()).reshape(2, 3, 2, 3)
+    close(second(xs, ws, apply), by_hand)
+    close(second(xs, ws, loop_apply), by_hand)

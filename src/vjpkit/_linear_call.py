@@ -514,8 +514,10 @@ def _batched_outputs(apply: Callable, transpose: Callable | None, recorded: bool
     transpose (not linear in the cotangents: clipped or sign gradients)
     batches every output, for a loop over the examples is right for any
     rule; a rule that cannot be traced at all says nothing (its error comes
-    where it runs). Also returns ``apply`` batched, as a jaxpr of the
-    batched residuals and linear inputs, where it was traced (else None).
+    where it runs). Also returns what the batched call runs, as a jaxpr of
+    the batched residuals and linear inputs: ``apply`` batched where it was
+    traced, the transposed ``backward`` batched where reverse mode recorded
+    the call (else None).
     """
     size, in_batched = axis_data.size, [a is not None for a in in_axes]
     avals = [
@@ -533,7 +535,11 @@ def _batched_outputs(apply: Callable, transpose: Callable | None, recorded: bool
     rows = _rows_of(transpose, *_split(avals, len(res)), out_avals)
     if rows is None or rows is _UNTRACEABLE:
         return [rows is None] * len(out_avals), None
-    return _jax_internals.batch_example(rows, axis_data, in_batched)[1], None
+    # The recorded call runs as those rows where it runs after all (a forward-mode derivative of the
+    # record evaluates it, ``_linear_call_jvp``): apply, the user's jvp, could batch an output the rows
+    # do not (a zero tangent times a batched residual), against the axes given here.
+    batched_rows, batched = _jax_internals.batch_example(rows, axis_data, in_batched)
+    return batched, batched_rows
 
 
 _UNTRACEABLE = object()
