@@ -126,6 +126,30 @@ class TanhSavingAStoppedSlope(vjpkit.Function):
         return g * slope
 
 
+class ScaledRules(vjpkit.Function):
+    """Rules scaled apart from forward's derivative (x * w, sin x): backward gives None where an input is not
+    differentiated, and saves an intermediate (cos x) for backward and jvp."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        c = jnp.cos(x)
+        ctx.save_for_backward(x, w, c)
+        ctx.save_for_forward(x, w, c)
+        return x * w, jnp.sin(x)
+
+    @staticmethod
+    def backward(ctx, g0, g1):
+        x, w, c = ctx.saved_tensors
+        gx = 2.0 * (g0 * w + g1 * c) if ctx.needs_input_grad[0] else None
+        gw = 3.0 * g0 * x if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+    @staticmethod
+    def jvp(ctx, tx, tw):
+        x, w, c = ctx.saved_tensors
+        return 2.0 * tx * w + 3.0 * x * tw, 2.0 * c * tx
+
+
 def bilinear(name, product, gradients, rules=("backward",), *, doc):
     """A Function computing ``product(x, w)``, bilinear in its two inputs, both saved.
 

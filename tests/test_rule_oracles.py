@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from functions import ScaledRules
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
@@ -170,27 +171,7 @@ def _make_class(name: str) -> type:
         return Zeros
 
     if name == "scaled":
-        class Scaled(vjpkit.Function):
-            @staticmethod
-            def forward(ctx, x, w):
-                c = jnp.cos(x)
-                ctx.save_for_backward(x, w, c)  # c: an intermediate
-                ctx.save_for_forward(x, w, c)
-                return x * w, jnp.sin(x)
-
-            @staticmethod
-            def backward(ctx, g0, g1):
-                x, w, c = ctx.saved_tensors
-                gx = 2.0 * (g0 * w + g1 * c) if ctx.needs_input_grad[0] else None
-                gw = 3.0 * g0 * x if ctx.needs_input_grad[1] else None
-                return gx, gw
-
-            @staticmethod
-            def jvp(ctx, tx, tw):
-                x, w, c = ctx.saved_tensors
-                return 2.0 * tx * w + 3.0 * x * tw, 2.0 * c * tx
-
-        return Scaled
+        return ScaledRules
 
     if name == "clipped":
         class Clipped(vjpkit.Function):

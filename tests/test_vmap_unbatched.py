@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import REFERENCE, WeightedSin, WeightedSinJvpOnly, WeightedSinWithJvp, ZerosNoRules
+from functions import REFERENCE, ScaledRules, WeightedSin, WeightedSinJvpOnly, WeightedSinWithJvp, ZerosNoRules
 from jax import lax
 
 import vjpkit
@@ -525,27 +525,6 @@ def test_where_the_fixed_batch_axes_disagree_with_the_rule_vjpkit_raises_rather_
         jax.grad(loss)(EXAMPLES)
 
 
-class ScaledRules(vjpkit.Function):
-    """Rules scaled apart from forward's derivative; backward gives None for an input not differentiated."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        c = jnp.cos(x)
-        ctx.save_for_backward(x, w, c)
-        return x * w, jnp.sin(x)
-
-    @staticmethod
-    def backward(ctx, g0, g1):
-        x, w, c = ctx.saved_tensors
-        gx = 2.0 * (g0 * w + g1 * c) if ctx.needs_input_grad[0] else None
-        gw = 3.0 * g0 * x if ctx.needs_input_grad[1] else None
-        return gx, gw
-
-    @staticmethod
-    def jvp(ctx, tx, tw):
-        x, w, c = ctx.saved_tensors
-        return 2.0 * tx * w + 3.0 * x * tw, 2.0 * c * tx
-
 
 @pytest.mark.parametrize("staged", ["jit(vmap)", "vmap(jit)"])
 def test_forward_over_reverse_of_a_staged_vmapped_call_batches_its_record_as_backward_does(staged):
@@ -556,8 +535,7 @@ def test_forward_over_reverse_of_a_staged_vmapped_call_batches_its_record_as_bac
     ws = jnp.asarray([[1.2, -0.5, 0.8], [-0.3, 0.9, 0.6]])
     t1 = jnp.asarray([[0.5, -1.0, 0.8], [1.1, 0.3, -0.7]])
     t2 = jnp.asarray([[0.2, 0.9, -0.4], [-0.8, 0.6, 1.0]])
-    apply = jax.vmap(ScaledRules.apply) if staged == "jit(vmap)" else jax.vmap(jax.jit(ScaledRules.apply))
-    apply = jax.jit(apply) if staged == "jit(vmap)" else apply
+    apply = jax.jit(jax.vmap(ScaledRules.apply)) if staged == "jit(vmap)" else jax.vmap(jax.jit(ScaledRules.apply))
 
     def loss(x, w, f):
         y0, y1 = f(x, w)
