@@ -28,7 +28,7 @@ class Spec:
     """A Function class as vjpkit runs it: its methods, forward's signature and its options.
 
     Compared and hashed by identity (``eq=False``): each class has one, and
-    JAX's caches key programs on it.
+    the tracers it may hold have no equality to compare by.
 
     Attributes:
         name: the class's name, which every message and profile scope uses.
