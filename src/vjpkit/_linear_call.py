@@ -424,7 +424,7 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, num_witnesses, apply, 
     out_axes = tuple(0 if b else None for b in batched)
 
     def batched_apply(r: tuple, xs: tuple) -> list:
-        if batched_jaxpr is not None:  # apply as batched for the outputs' axes: its code runs once
+        if batched_jaxpr is not None:  # the rule batched for the outputs' axes (apply; a record's rows): run once
             return jaxpr_as_fun(batched_jaxpr)(*r, *xs)
         return jax.vmap(lambda r_, xs_: list(apply(r_, xs_)), in_axes=(res_axes, lin_axes), out_axes=list(out_axes),
                         axis_size=size, **axis_names)(r, tuple(xs))
