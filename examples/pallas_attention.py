@@ -56,9 +56,16 @@ DQ_BLOCKS = (128, 32)  # one program per 128 queries, walking keys 32 at a time
 MIN_GPU_BLOCK = 16  # Triton's tl.dot needs at least 16 rows and columns
 
 
+def computes_on_a_gpu():
+    """Whether JAX computes on a GPU here: the default backend's platform, unless ``jax.default_device``
+    pins another device (the CPU, say, on a GPU machine)."""
+    pinned = jax.config.jax_default_device  # a Device, a platform name, or None
+    return (getattr(pinned, "platform", pinned) or jax.default_backend()) == "gpu"
+
+
 def interpret_default():
     """Kernels are compiled on GPUs (Triton); anywhere else Pallas interprets them."""
-    return jax.default_backend() != "gpu"
+    return not computes_on_a_gpu()
 
 
 def triton_params(num_warps, num_stages):

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from pallas_attention import FlashAttention
+from pallas_attention import FlashAttention, computes_on_a_gpu
 
 import vjpkit
 
@@ -207,8 +207,8 @@ class SoftmaxCrossEntropy(vjpkit.Function):
 
 
 def use_pallas_kernels():
-    """Whether ``causal_attention`` runs the Pallas kernels: on a GPU backend (read when traced)."""
-    return jax.default_backend() == "gpu"
+    """Whether ``causal_attention`` runs the Pallas kernels: where it computes on a GPU (read when traced)."""
+    return computes_on_a_gpu()
 
 
 def causal_attention(q, k, v, block=128):

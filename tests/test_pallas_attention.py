@@ -1,6 +1,7 @@
 """The flash-attention Function whose forward and backward are Pallas kernels (examples/pallas_attention.py).
 
-On the CPU the kernels run in Pallas's interpret mode, at tiny shapes (one
+The kernels run in Pallas's interpret mode here, on every backend (the kernel
+bodies evaluated as JAX operations, so the tolerances are float32's), at tiny shapes (one
 batch, two heads, T = 32 or 64, head dimension 16, tiles of 16, so every
 kernel's loops take several blocks, masked and unmasked). Its backward is
 the derivative of forward's maths, so plain JAX autodiff of softmax
@@ -8,7 +9,9 @@ attention is the reference: gradients under ``jit``, ``vmap``, bfloat16
 inputs, ``needs_input_grad``, the errors, the refused second derivative,
 and ``jax.export`` for CUDA on this machine (the Triton lowering needs no
 GPU). transformer_ops.py's ``causal_attention`` chooses these kernels on a
-GPU and its ``lax.scan`` version elsewhere.
+GPU and its ``lax.scan`` version elsewhere. On a GPU one more test compares
+the compiled kernels with dense attention, at the tolerance of the matrix
+units' float32 mode (TF32).
 """
 
 import pathlib
@@ -28,6 +31,10 @@ sys.path.insert(0, str(EXAMPLES_DIR))
 import pallas_attention as pa  # noqa: E402
 import transformer_ops as ops  # noqa: E402
 
+# JAX 0.11 on deprecates Pallas's Triton backend for Mosaic GPU, warning as it lowers a kernel for a GPU.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+ON_GPU = jax.default_backend() == "gpu"
+
 RNG = np.random.default_rng(0)
 SHAPE = (1, 2, 64, 16)  # batch, heads, T, head dimension
 Q, K, V = (RNG.normal(size=SHAPE).astype(np.float32) for _ in range(3))
@@ -35,7 +42,8 @@ BLOCK = 16  # four query blocks and four key blocks: skipped, masked and unmaske
 
 
 def flash(q, k, v):
-    return pa.flash_attention(q, k, v, BLOCK)
+    """The kernels, interpreted (on a GPU too: these tests judge the kernels' maths at float32's tolerance)."""
+    return pa.flash_attention(q, k, v, BLOCK, True)
 
 
 def loss(attention):
@@ -43,14 +51,9 @@ def loss(attention):
     return lambda *xs: jnp.sin(attention(*xs).astype(jnp.float32)).sum()
 
 
-def test_on_the_cpu_the_kernels_are_interpreted():
-    assert jax.default_backend() == "cpu" and pa.interpret_default()
-
-
-def test_gradcheck_in_float64():
-    # One head, T = 32 (two blocks of 16), head dimension 4 (interpret mode needs no tile of 16 there).
-    q, k, v = (x[0, :1, :32, :4].astype(np.float64) for x in (Q, K, V))
-    assert_gradcheck(flash, (q, k, v))
+@pytest.mark.skipif(ON_GPU, reason="the choice where the default backend is not a GPU")
+def test_off_a_gpu_the_kernels_are_interpreted_by_default():
+    assert pa.interpret_default()
 
 
 def output_and_gradients(attention):
@@ -88,6 +91,23 @@ def test_bfloat16_inputs_accumulate_in_float32():
     want = output_and_gradients(pa.reference_attention)(q, k, v, COTANGENT)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the compiled kernels need a GPU")
+def test_on_a_gpu_the_compiled_kernels_equal_dense_attention_at_tf32_tolerance():
+    assert not pa.interpret_default()
+    got = output_and_gradients(lambda q, k, v: pa.flash_attention(q, k, v, BLOCK))(Q, K, V, COTANGENT)
+    with jax.default_matmul_precision("highest"):
+        want = output_and_gradients(pa.reference_attention)(Q, K, V, COTANGENT)
+    for g, w in zip(got, want, strict=True):
+        # Triton's float32 dot runs in TF32 (10-bit mantissa): errors of about 1e-3 of the largest entry.
+        assert np.abs(np.asarray(g) - np.asarray(w)).max() <= 4e-3 * np.abs(np.asarray(w)).max()
+
+
+def test_gradcheck_in_float64():
+    # One head, T = 32 (two blocks of 16), head dimension 4 (interpret mode needs no tile of 16 there).
+    q, k, v = (x[0, :1, :32, :4].astype(np.float64) for x in (Q, K, V))
+    assert_gradcheck(flash, (q, k, v))
 
 
 def test_forward_keeps_q_k_v_the_output_and_a_float32_log_sum_exp_per_row():
@@ -147,8 +167,6 @@ def test_the_gpu_kernels_refuse_a_block_below_16():
         pa.flash_attention(q, q, q, 8, False)
 
 
-# JAX 0.12 deprecates Pallas's Triton backend for Mosaic GPU, warning as it lowers a kernel.
-@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 def test_kernels_lower_for_cuda_on_this_machine():
     shape = jax.ShapeDtypeStruct((2, 4, 256, 64), jnp.bfloat16)
     grad = jax.grad(loss(lambda *x: pa.flash_attention(*x, None, False)), (0, 1, 2))
@@ -165,7 +183,9 @@ def test_transformer_ops_choose_the_scan_on_the_cpu_and_the_kernels_on_a_gpu(mon
     def kernels(fn):
         return count_kernel_calls(jax.grad(loss(fn), (0, 1, 2)), Q, K, V)
 
+    assert ops.use_pallas_kernels() == ON_GPU
     attention = lambda *x: ops.causal_attention(*x, BLOCK)  # noqa: E731
+    monkeypatch.setattr(ops, "use_pallas_kernels", lambda: False)  # what any other backend answers
     assert set(kernels(attention).values()) == {0}
     assert "scan" in str(jax.make_jaxpr(attention)(Q, K, V))
     monkeypatch.setattr(ops, "use_pallas_kernels", lambda: True)  # what a GPU backend answers
@@ -176,3 +196,10 @@ def test_transformer_ops_choose_the_scan_on_the_cpu_and_the_kernels_on_a_gpu(mon
 def test_the_function_is_a_vjpkit_function_with_a_once_differentiable_backward():
     assert issubclass(pa.FlashAttention, vjpkit.Function)
     assert pa.FlashAttention.backward._vjpkit_once_differentiable
+
+
+def test_pinning_the_cpu_chooses_the_scan_and_interpreted_kernels_on_any_machine():
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert pa.interpret_default() and not ops.use_pallas_kernels()
+    with jax.default_device("cpu"):
+        assert pa.interpret_default() and not ops.use_pallas_kernels()

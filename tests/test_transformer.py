@@ -38,9 +38,11 @@ Q, K, V = (RNG.normal(size=(2, 2, 8, 3)) for _ in range(3))
 X, WEIGHT, BIAS = RNG.normal(size=(3, 4, 6)), RNG.normal(size=6), RNG.normal(size=6)
 LOGITS, LABELS = RNG.normal(size=(5, 7)), np.array([0, 6, 3, 3, 1])
 
-# name -> (vjpkit Function's apply, plain jnp maths, inputs); attention's block is a static 4.
+# name -> (vjpkit Function's apply, plain jnp maths, inputs); attention's block is a static 4. Attention is
+# CausalAttention itself, the lax.scan Function, on every backend (on a GPU causal_attention chooses the
+# Pallas kernels instead: test_pallas_attention.py).
 CASES = {
-    "CausalAttention": (lambda q, k, v: ops.causal_attention(q, k, v, 4), ops.plain_causal_attention, (Q, K, V)),
+    "CausalAttention": (lambda q, k, v: ops.CausalAttention.apply(q, k, v, 4), ops.plain_causal_attention, (Q, K, V)),
     "LayerNorm": (ops.layer_norm, ops.plain_layer_norm, (X, WEIGHT, BIAS)),
     "GELU": (ops.gelu, ops.plain_gelu, (X,)),
     "SoftmaxCrossEntropy": (ops.softmax_cross_entropy, ops.plain_softmax_cross_entropy, (LOGITS, LABELS)),
@@ -93,7 +95,7 @@ def test_cross_entropy_per_example_gradients_under_vmap_equal_autodiff(x64):
 def test_op_second_derivative_passes_gradgradcheck(name):
     fn, _, inputs = CASES[name]
     if name == "CausalAttention":  # one batch and head, two blocks of 2: second order's Jacobians grow fast
-        fn, inputs = (lambda q, k, v: ops.causal_attention(q, k, v, 2)), tuple(x[0, 0, :4] for x in inputs)
+        fn, inputs = (lambda q, k, v: ops.CausalAttention.apply(q, k, v, 2)), tuple(x[0, 0, :4] for x in inputs)
     assert_gradgradcheck(fn, inputs)
 
 
@@ -106,8 +108,8 @@ def test_attention_jvp_equals_autodiff_of_plain_maths(x64):
 
 
 def test_attention_with_one_block_equals_attention_with_several(x64):
-    one = jax.grad(scalar_loss(lambda q, k, v: ops.causal_attention(q, k, v, 8)), (0, 1, 2))(Q, K, V)
-    two = jax.grad(scalar_loss(lambda q, k, v: ops.causal_attention(q, k, v, 2)), (0, 1, 2))(Q, K, V)
+    one = jax.grad(scalar_loss(lambda q, k, v: ops.CausalAttention.apply(q, k, v, 8)), (0, 1, 2))(Q, K, V)
+    two = jax.grad(scalar_loss(lambda q, k, v: ops.CausalAttention.apply(q, k, v, 2)), (0, 1, 2))(Q, K, V)
     for a, b in zip(one, two, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
@@ -115,7 +117,7 @@ def test_attention_with_one_block_equals_attention_with_several(x64):
 def test_attention_rejects_a_block_that_does_not_divide_the_length():
     with pytest.raises(ValueError, match=r"CausalAttention: sequence length 8 is not a multiple of block=3; "
                                          r"pass a block that divides it"):
-        ops.causal_attention(Q, K, V, 3)
+        ops.CausalAttention.apply(Q, K, V, 3)
 
 
 def residual_bytes(fn, *shapes):
@@ -247,13 +249,15 @@ def test_benchmark_pytorch_model_is_the_vjpkit_model(monkeypatch, flavour):
     loss_fn, params, tokens, targets = benchmark.torch_model(config, flavour=flavour)
     loss = loss_fn(params, tokens, targets)
     loss.backward()
-    jax_params = train_transformer.init_params(jax.random.key(0), config)
-    want, grads = jax.value_and_grad(train_transformer.loss_fn)(jax_params, tokens.numpy(), targets.numpy(), config)
+    with jax.default_device(jax.devices("cpu")[0]):  # torch's model runs on the CPU: so does JAX's, on any machine
+        jax_params = train_transformer.init_params(jax.random.key(0), config)
+        want, grads = jax.value_and_grad(train_transformer.loss_fn)(jax_params, tokens.numpy(), targets.numpy(), config)
     np.testing.assert_allclose(loss.item(), want, rtol=1e-5)
     for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(got.grad.numpy(), expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the refusal on a machine whose JAX has no GPU")
 def test_benchmark_refuses_device_gpu_without_a_gpu(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES_DIR.parent / "benchmarks"))
     import transformer as benchmark
