@@ -265,7 +265,7 @@ def test_integer_inputs_are_not_differentiated(x64):
         @staticmethod
         def backward(ctx, g):
             (index,) = ctx.saved_tensors
-            return torch.zeros(ctx.n, dtype=g.dtype).index_add_(0, index, g), None
+            return torch.zeros(ctx.n, dtype=g.dtype, device=g.device).index_add_(0, index, g), None
 
     Take = vjpkit.from_torch(TTake)
     index = np.array([2, 0, 2])

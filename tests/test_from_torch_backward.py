@@ -19,6 +19,7 @@ import vjpkit
 
 torch = pytest.importorskip("torch")  # CI installs the torch extra
 from torch.utils.checkpoint import CheckpointFunction, checkpoint  # noqa: E402
+from torch_functions import TORCH_DEVICE  # noqa: E402
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((2, 3))
@@ -101,15 +102,15 @@ def test_reentrant_hessian_by_forward_over_reverse(x64):
 
 
 def test_by_default_a_closed_over_parameter_gets_no_grad(x64):
-    w = torch.tensor(W, requires_grad=True)
+    w = torch.tensor(W, requires_grad=True, device=TORCH_DEVICE)  # where the inputs arrive
     fn = vjpkit.from_torch(lambda x: torch.tanh(x @ w))
     jax.block_until_ready(jax.grad(lambda x: fn(x).sum())(X))
     assert w.grad is None
 
 
 def test_reentrant_a_closed_over_parameter_accumulates_grad_as_under_backward(x64):
-    w = torch.tensor(W, requires_grad=True)
+    w = torch.tensor(W, requires_grad=True, device=TORCH_DEVICE)  # where the inputs arrive
     fn = vjpkit.from_torch(lambda x: torch.tanh(x @ w), reentrant=True)
     jax.block_until_ready(jax.grad(lambda x: fn(x).sum())(X))
     want = jax.grad(lambda w: jnp.tanh(X @ w).sum())(W)
-    np.testing.assert_allclose(w.grad.numpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(w.grad.cpu().numpy(), want, rtol=1e-12)

@@ -1,7 +1,12 @@
 """The ``torch.autograd.Function`` originals several test files compare ports with (importable as
 ``torch_functions``; it needs torch, so import it after ``pytest.importorskip("torch")``)."""
 
+import jax
 import torch
+
+# Where from_torch hands torch the arrays: JAX's default device, in torch's words ("cuda" on a GPU). A tensor a
+# test's torch code makes itself, or closes over, goes there, as device-portable PyTorch code puts it.
+TORCH_DEVICE = {"gpu": "cuda"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
 
 
 class TorchExp(torch.autograd.Function):
