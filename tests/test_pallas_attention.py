@@ -31,8 +31,6 @@ sys.path.insert(0, str(EXAMPLES_DIR))
 import pallas_attention as pa  # noqa: E402
 import transformer_ops as ops  # noqa: E402
 
-# JAX 0.11 on deprecates Pallas's Triton backend for Mosaic GPU, warning as it lowers a kernel for a GPU.
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 ON_GPU = jax.default_backend() == "gpu"
 
 RNG = np.random.default_rng(0)
