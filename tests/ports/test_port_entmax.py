@@ -33,7 +33,7 @@ def _torch_positions(x, dim):
     """1, 2, ..., n along ``dim``, broadcastable against ``x``."""
     shape = [1] * x.dim()
     shape[dim] = x.shape[dim]
-    return torch.arange(1, x.shape[dim] + 1, dtype=x.dtype).view(shape)
+    return torch.arange(1, x.shape[dim] + 1, device=x.device, dtype=x.dtype).view(shape)
 
 
 def _torch_sparsemax_threshold(x, dim, k):
@@ -120,7 +120,7 @@ class TorchEntmaxBisectFunction(torch.autograd.Function):
     @classmethod
     def forward(cls, ctx, X, alpha=1.5, dim=-1, n_iter=50, ensure_sum_one=True):
         if not isinstance(alpha, torch.Tensor):
-            alpha = torch.tensor(alpha, dtype=X.dtype)
+            alpha = torch.tensor(alpha, dtype=X.dtype, device=X.device)
         shape = list(X.shape)
         shape[dim] = 1
         alpha = alpha.expand(*shape)

@@ -31,7 +31,7 @@ class TorchWeightedMSE(torch.autograd.Function):
     def forward(ctx, pred, target, latitudes, variable_weights):
         lat_w = torch.cos(torch.deg2rad(latitudes))
         lat_w = (lat_w / lat_w.mean())[:, None]
-        w = torch.tensor(variable_weights, dtype=pred.dtype)[:, None, None]
+        w = torch.tensor(variable_weights, dtype=pred.dtype, device=pred.device)[:, None, None]
         ctx.save_for_backward(pred - target, lat_w, w)
         return (w * lat_w * (pred - target) ** 2).mean(dim=(-2, -1)).sum()
 

@@ -65,7 +65,7 @@ def test_new_empty_tensor_op_under_jit_grad_and_vmap(x64):
 
 
 def _torch_focal_masks(targets, num_classes, dtype):
-    classes = torch.arange(1, num_classes + 1, dtype=targets.dtype)[None, :]
+    classes = torch.arange(1, num_classes + 1, dtype=targets.dtype, device=targets.device)[None, :]
     t = targets[:, None]
     return (t == classes).to(dtype), ((t >= 0) & (t != classes)).to(dtype)
 
