@@ -142,6 +142,32 @@ def test_a_failure_of_an_asynchronous_program_caught_inside_is_raised_once_as_th
         chex.assert_trees_all_close(step(X + 1), jnp.exp(X + 1))
 
 
+def test_a_program_failure_the_barrier_reports_is_raised_as_the_block_exits_whichever_thread_ran_the_check(
+    monkeypatch,
+):
+    # A GPU may run a program's callbacks on the calling thread and report the failure only where the result is
+    # awaited, or at the block's barrier. Here the CPU runs the check on this very thread; the barrier is made to
+    # report a failed program, as a GPU's would with the result never awaited.
+    def failed_barrier():
+        raise jax.errors.JaxRuntimeError("INTERNAL: a program with callbacks failed")
+
+    step = jax.jit(jax.grad(exp_loss))
+    with pytest.raises(FloatingPointError) as raised:
+        with detect_anomaly():
+            with contextlib.suppress(jax.errors.JaxRuntimeError):
+                step(NEAR_ONE).block_until_ready()
+            monkeypatch.setattr(vjpkit._jax_internals, "effects_barrier", failed_barrier)
+    assert str(raised.value) == EXP_NAN_MESSAGE
+
+
+def test_a_failure_raised_on_this_thread_is_not_raised_again_where_no_program_failed():
+    # The CPU ran the check on this thread and raised at the call; the barrier finds no failed program.
+    step = jax.jit(jax.grad(exp_loss))
+    with detect_anomaly():
+        with pytest.raises(jax.errors.JaxRuntimeError, match=EXP_NAN):
+            step(NEAR_ONE).block_until_ready()
+
+
 def test_an_error_of_another_kind_caught_inside_is_not_raised_again():
     @vjpkit.function(host=True)
     class Bad:

@@ -144,16 +144,20 @@ def detect_anomaly() -> Iterator[None]:
             raise  # not a failed check; or the check's own error, raised outside a program
         raise _deliver(failure) from None
     else:
-        # A check that failed in a program that ran asynchronously (on a GPU; on the
-        # CPU, given inputs still being computed) reached this thread only if code
-        # here awaited the program's results, and may not have run yet: wait for
-        # the programs, and report it. Other errors of those programs are theirs,
-        # raised where their results are awaited.
+        # A check that failed in a compiled program reached this thread only if code
+        # here awaited the program's results, and may not have run yet: wait for the
+        # programs. Where one failed (the barrier raises its error), report the check
+        # whichever thread ran it: a GPU may run a program's callbacks on the calling
+        # thread and report the failure only where the result is awaited. Otherwise
+        # only a check run on another thread is undelivered: one that failed on this
+        # thread outside a program (op by op) was raised to the caller as itself.
+        # Other errors of those programs are theirs, raised where their results are awaited.
         try:
             _jax_internals.effects_barrier()
+            program_failed = False
         except Exception:  # noqa: BLE001 - see above
-            pass
-        failures = _undelivered(start, off_thread=threading.get_ident())
+            program_failed = True
+        failures = _undelivered(start, off_thread=None if program_failed else threading.get_ident())
         if failures:
             raise _deliver(failures[-1]) from None
     finally:
