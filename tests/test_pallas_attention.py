@@ -1,7 +1,8 @@
 """The flash-attention Function whose forward and backward are Pallas kernels (examples/pallas_attention.py).
 
 The kernels run in Pallas's interpret mode here, on every backend (the kernel
-bodies evaluated as JAX operations, so the tolerances are float32's), at tiny shapes (one
+bodies evaluated as JAX operations, their matrix products in full float32,
+so the tolerances are float32's), at tiny shapes (one
 batch, two heads, T = 32 or 64, head dimension 16, tiles of 16, so every
 kernel's loops take several blocks, masked and unmasked). Its backward is
 the derivative of forward's maths, so plain JAX autodiff of softmax
@@ -32,6 +33,13 @@ import pallas_attention as pa  # noqa: E402
 import transformer_ops as ops  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.fixture(autouse=True)
+def full_float32_products():
+    """XLA's float32 matrix products run in full float32, as on the CPU (a GPU's default is TF32)."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 RNG = np.random.default_rng(0)
 SHAPE = (1, 2, 64, 16)  # batch, heads, T, head dimension
@@ -95,8 +103,7 @@ def test_bfloat16_inputs_accumulate_in_float32():
 def test_on_a_gpu_the_compiled_kernels_equal_dense_attention_at_tf32_tolerance():
     assert not pa.interpret_default()
     got = output_and_gradients(lambda q, k, v: pa.flash_attention(q, k, v, BLOCK))(Q, K, V, COTANGENT)
-    with jax.default_matmul_precision("highest"):
-        want = output_and_gradients(pa.reference_attention)(Q, K, V, COTANGENT)
+    want = output_and_gradients(pa.reference_attention)(Q, K, V, COTANGENT)  # in full float32 (the fixture)
     for g, w in zip(got, want, strict=True):
         # Triton's float32 dot runs in TF32 (10-bit mantissa): errors of about 1e-3 of the largest entry.
         assert np.abs(np.asarray(g) - np.asarray(w)).max() <= 4e-3 * np.abs(np.asarray(w)).max()
