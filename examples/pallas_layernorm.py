@@ -38,8 +38,10 @@ MAX_BLOCK_ROWS = 16
 
 
 def interpret_on_cpu():
-    # Pallas compiles kernels for GPUs and TPUs only; on CPU it interprets them.
-    return jax.default_backend() == "cpu"
+    # Pallas compiles kernels for GPUs and TPUs only; on CPU it interprets them. Where JAX computes: the
+    # default backend, unless jax.default_device pins another device (the CPU, say, on a GPU machine).
+    pinned = jax.config.jax_default_device  # a Device, a platform name, or None
+    return (getattr(pinned, "platform", pinned) or jax.default_backend()) == "cpu"
 
 
 def block_rows_for(rows):
