@@ -10,7 +10,8 @@
 #   1. environment: JAX's default backend must be the GPU; versions, nvcc;
 #   2. the whole test suite with the GPU as JAX's default backend (WORKERS
 #      processes, SUITE_TIMEOUT_S at most);
-#   3. the Pallas example compiled for the GPU (examples/pallas_layernorm.py);
+#   3. the Pallas examples compiled for the GPU (examples/pallas_layernorm.py,
+#      examples/pallas_attention.py: the attention kernels against plain attention);
 #   4. the CUDA load_inline example (examples/cuda_kernel.py, where it exists);
 #   5. from_torch on CUDA and its figures (benchmarks/from_torch.py --quick,
 #      with --device gpu where it takes that option);
@@ -110,6 +111,7 @@ step suite "$SUITE_TIMEOUT_S" "$PYTHON" -m pytest -p no:cacheprovider -o addopts
     --doctest-modules -rfE --tb=short --durations=5
 
 step pallas 60 "$PYTHON" examples/pallas_layernorm.py
+step attention 60 "$PYTHON" examples/pallas_attention.py   # the compiled kernels against plain attention
 
 if [ -f examples/cuda_kernel.py ]; then
     step cuda_kernel 60 "$PYTHON" examples/cuda_kernel.py

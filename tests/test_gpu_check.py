@@ -23,8 +23,8 @@ def test_the_dry_run_lists_every_step_and_runs_nothing():
     done = dry_run()
     assert done.returncode == 0, done.stderr
     steps = [line.split()[0] for line in done.stdout.splitlines() if "(at most" in line]
-    assert steps == ["environment", "suite", "pallas", "from_torch", "transformer"] or steps == [
-        "environment", "suite", "pallas", "cuda_kernel", "from_torch", "transformer"
+    assert steps == ["environment", "suite", "pallas", "attention", "from_torch", "transformer"] or steps == [
+        "environment", "suite", "pallas", "attention", "cuda_kernel", "from_torch", "transformer"
     ]
     suite = next(line for line in done.stdout.splitlines() if line.startswith("suite"))
     assert "-m pytest" in suite and "-n 15" in suite and "-o addopts=" in suite
