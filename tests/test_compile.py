@@ -285,6 +285,22 @@ def test_cache_size_class_attribute_bounds_the_cache():
     assert Scale.cache_info().programs == 1
 
 
+def test_a_pytree_call_shape_whose_program_was_dropped_runs_the_program_made_for_it_again():
+    class Affine(vjpkit.Function):
+        cache_size = 1  # each new static scale drops the other's program, and the routes to it
+
+        @staticmethod
+        def forward(ctx, params, x):
+            return params["scale"] * x + params["shift"]
+
+    x, shift = jnp.arange(3.0), jnp.ones(3)
+    for scale in (2.0, 3.0, 3.0, 2.0, 2.0, 3.0):  # a Python float leaf is static: one program per value
+        got = Affine.apply({"scale": scale, "shift": shift}, x)
+        np.testing.assert_allclose(got, [1.0, 1.0 + scale, 1.0 + 2 * scale])
+    info = Affine.cache_info()
+    assert (info.programs, info.hits, info.misses) == (1, 2, 4)
+
+
 def test_concurrent_calls_from_eight_threads_match_serial_results():
     calls = []
     Exp = counting_exp(calls)

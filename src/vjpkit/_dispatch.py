@@ -133,16 +133,20 @@ class _CallShape:
     leaves (None: all the leaves, in order) and ``run`` running the program
     on them (its jit, or ``_run_in_trace`` for calls on tracers). ``route``
     is that route when the shape alone fixes it (no static leaf), so such a
-    call reads one table.
+    call reads one table. ``last`` (nested shapes): the structure, leaf
+    types and inner shape of the last call that found one, compared before
+    ``routes`` is read (comparing a structure costs less than hashing it);
+    a call that binds anew forgets it.
     """
 
-    __slots__ = ("route", "nested", "keyer", "routes")
+    __slots__ = ("route", "nested", "keyer", "routes", "last")
 
     def __init__(self, nested: bool, keyer: Callable[[Any], Any] | None = None):
         self.route: tuple | None = None
         self.nested = nested
         self.keyer = keyer
         self.routes = _Routes()
+        self.last: tuple | None = None
 
     def add(self, statics: Any, route: tuple) -> None:
         self.routes.put(statics, route)
@@ -345,6 +349,7 @@ class _Cache:
             if shape is None:
                 shape = table[shape_key] = _CallShape(nested)
             if nested:
+                shape.last = None  # it may hold an inner shape this call replaces
                 table, shape_key = shape.routes, path[1][1]
                 shape = table.get(shape_key)
                 if shape is None:
@@ -488,7 +493,11 @@ def _make_apply(cache: _Cache) -> Callable:
         if route is None:  # a pytree argument or a static leaf: the route lies deeper (or a new call shape)
             if shape.nested:  # by the pytrees' structure and leaf types
                 leaves, treedef = flatten(leaves)
-                shape = shape.routes.get((treedef, *map(type, leaves)), unseen)
+                types = (*map(type, leaves),)
+                last = shape.last
+                if last is None or last[1] != types or last[0] != treedef:
+                    last = shape.last = (treedef, types, shape.routes.get((treedef, *types), unseen))
+                shape = last[2]
                 route = shape.route
             if route is None and shape.keyer is not None:  # by the static leaves' values
                 try:
