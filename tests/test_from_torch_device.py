@@ -19,7 +19,7 @@ import vjpkit
 from vjpkit._torch.device import host_callbacks  # internal on purpose: forces the fallback path
 
 torch = pytest.importorskip("torch")  # CI installs the torch extra
-from torch_functions import TorchAddOneInPlace  # noqa: E402
+from torch_functions import TORCH_DEVICE, TorchAddOneInPlace  # noqa: E402
 
 # Decided apart from vjpkit's own detection: whether this JAX has the public module at all.
 HAS_BUFFER_CALLBACK = importlib.util.find_spec("jax.experimental.buffer_callback") is not None
@@ -85,11 +85,6 @@ def committed(x):
     return jax.device_put(jnp.asarray(x), jax.devices()[0])
 
 
-def torch_device_type():
-    """Where torch should see the arrays: JAX's default device, in torch's words."""
-    return {"gpu": "cuda"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
-
-
 def test_the_callback_is_jaxs_buffer_callback_where_jax_has_it_and_pure_callback_elsewhere():
     Swish = vjpkit.from_torch(TSwish)
     x = jnp.asarray(X)
@@ -112,7 +107,7 @@ def test_the_original_works_on_the_input_arrays_own_memory():
     x = committed(X)
     TSwish.seen.clear()
     jax.block_until_ready(jax.jit(Swish.apply)(x))
-    assert TSwish.seen == [("forward", x.unsafe_buffer_pointer(), torch_device_type())]
+    assert TSwish.seen == [("forward", x.unsafe_buffer_pointer(), TORCH_DEVICE)]
 
 
 @pytest.mark.skipif(not HAS_BUFFER_CALLBACK, reason=NO_BUFFER_CALLBACK)
@@ -122,7 +117,7 @@ def test_the_original_backward_works_on_the_saved_inputs_own_memory():
     TSwish.seen.clear()
     jax.block_until_ready(jax.jit(jax.grad(lambda x: Swish.apply(x).sum()))(x))
     # XLA drops the unused forward callback: the backward one runs forward again, on x itself.
-    at = (x.unsafe_buffer_pointer(), torch_device_type())
+    at = (x.unsafe_buffer_pointer(), TORCH_DEVICE)
     assert TSwish.seen == [("forward", *at), ("backward", *at)]
 
 
