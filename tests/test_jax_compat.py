@@ -75,6 +75,17 @@ def test_every_private_jax_module_the_internals_package_uses_is_in_its_table():
         assert re.search(rf"^{module}\.\w+", table, re.MULTILINE), module
 
 
+def test_vjpkit_replaces_the_code_of_no_jax_function():
+    # detect_anomaly joins JAX's trace caches' key through public means on every JAX (XLA metadata before 0.8).
+    from jax._src import config
+
+    with vjpkit.detect_anomaly():
+        jax.jit(functions.Square.apply)(jnp.ones(2)).block_until_ready()
+    code = getattr(config.trace_context, "__code__", None)  # JAX 0.8 on: a compiled function
+    assert code is None or pathlib.Path(code.co_filename).resolve() == pathlib.Path(config.__file__).resolve()
+    assert not re.search(r"__code__\s*=[^=]", "\n".join(p.read_text() for p in SRC.rglob("*.py")))
+
+
 class Linear(functions.Linear):
     """Its backward returns None for an input not differentiated."""
 

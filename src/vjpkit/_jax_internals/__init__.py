@@ -41,7 +41,6 @@ ad.JVPTrace, ad.LinearizeTrace                         all             none; ``j
 ad.LinearizeTracer, JVPTracer (vjpkit's linearize)     all             none
 config.use_direct_linearize                            all             none (read as on where absent)
 config.config_ext                                      all             none (``jax.config`` defines no states)
-config.trace_context (its code is replaced)            0.4.38 to 0.7   none
 config.trace_context (called: gradcheck's cache key)   all             none
 ad.custom_lin_p (its rules wrapped to name a class)    all             none
 effects.ordered_effects                                all             none
@@ -81,7 +80,10 @@ Public names whose home or meaning changed: ``jax.enable_x64`` (0.8 on;
 ``inline=True`` inlines only when lowering from 0.11), ``jax.ffi`` (0.5 on;
 ``jax.extend.ffi`` in 0.4.38), ``jax.lax.pcast`` (0.8 on; ``pvary`` in 0.6
 and 0.7), ``jax.sharding.AxisType`` and friends (0.5-0.6 on),
-``jax.experimental.buffer_callback`` (0.6 on: ``from_torch`` on the arrays' device).
+``jax.experimental.buffer_callback`` (0.6 on: ``from_torch`` on the arrays' device),
+``jax.experimental.xla_metadata.set_xla_metadata`` (0.4.38 to 0.7: where
+``detect_anomaly`` joins the trace caches' key; from 0.8 a state of its
+own does).
 
 Its modules, by JAX subsystem: ``_lookup`` (finding names, the modules
 looked in), ``values`` (core: types of values, vmap's batched types),

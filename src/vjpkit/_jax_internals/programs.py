@@ -4,10 +4,11 @@ and the configuration a trace depends on."""
 from __future__ import annotations
 
 import functools
-import types
+import threading
 from typing import Any, Callable
 
 import jax
+from jax.experimental.xla_metadata import set_xla_metadata as _set_xla_metadata
 
 from ._lookup import _config, _pe, _pjit, _require, _require_module
 
@@ -196,23 +197,43 @@ def thread_local_flag(name: str) -> Any:
         pass
     # JAX 0.4.38 to 0.7: ``Config(default, include_in_jit_key)`` joins the
     # dispatch key only. The trace caches key on ``config.trace_context()``, a
-    # fixed tuple, and hold that function itself (not its module attribute), so
-    # its code is swapped for code that also returns vjpkit's states (looked up
-    # in that module's namespace, where the original code is kept too).
-    state = config_ext.Config(False, True)
-    trace_context = _config.trace_context
-    namespace = trace_context.__globals__
-    if "_vjpkit_trace_states" not in namespace:
-        namespace["_vjpkit_trace_states"] = []
-        namespace["_vjpkit_trace_context"] = types.FunctionType(trace_context.__code__, namespace)
-        trace_context.__code__ = _trace_context_with_vjpkit_states.__code__
-    namespace["_vjpkit_trace_states"].append(state)
-    return state
+    # fixed tuple of JAX's own states; among them is the XLA metadata of the
+    # public ``jax.experimental.xla_metadata.set_xla_metadata``.
+    return _FlagMarkedInMetadata(name, config_ext.Config(False, True))
 
 
-def _trace_context_with_vjpkit_states() -> tuple:
-    """The code ``thread_local_flag`` gives ``config.trace_context`` in JAX 0.4.38 to 0.7."""
-    return (*_vjpkit_trace_context(), *[s.value for s in _vjpkit_trace_states])  # type: ignore[name-defined]  # noqa: F821
+class _FlagMarkedInMetadata:
+    """A thread-local flag in the dispatch key, marked in the trace caches' key by XLA metadata (JAX 0.4.38 to 0.7).
+
+    While it is on, ``set_xla_metadata(name=True)`` is entered on its thread:
+    the metadata is part of ``config.trace_context()`` (so a program traced
+    without the flag is never reused with it, nor the reverse), and each
+    operation traced meanwhile carries it to XLA as a frontend attribute,
+    which no compiler pass reads.
+    """
+
+    __slots__ = ("_name", "_state", "_entered")
+
+    def __init__(self, name: str, state: Any):
+        self._name = name
+        self._state = state
+        self._entered = threading.local()  # this thread's metadata contexts, innermost last
+
+    @property
+    def value(self) -> Any:
+        return self._state.value
+
+    def swap_local(self, value: Any) -> Any:
+        """Sets the flag on this thread (``set_local(previous)`` undoes it) and returns its previous value."""
+        context = _set_xla_metadata(**{self._name: value})
+        context.__enter__()
+        self._entered.__dict__.setdefault("contexts", []).append(context)
+        return self._state.swap_local(value)
+
+    def set_local(self, previous: Any) -> None:
+        """Undoes the innermost ``swap_local`` of this thread, the flag back at ``previous``."""
+        self._state.set_local(previous)
+        self._entered.contexts.pop().__exit__(None, None, None)
 
 
 # ---------------------------------------------------------------------------
@@ -227,9 +248,9 @@ def trace_configuration() -> tuple:
     """JAX's trace-time configuration (x64, matmul precision, default device, ...), hashable.
 
     Why: ``jax.jit`` keys its own caches on it, and a cache of traced
-    programs outside ``jax.jit`` must too. In JAX 0.4.38 to 0.7,
-    ``thread_local_flag`` replaces the code of this same function object, so
-    vjpkit's own states (``detect_anomaly``) are part of it there too.
+    programs outside ``jax.jit`` must too. vjpkit's own states
+    (``detect_anomaly``) are part of it: from JAX 0.8 as states of their
+    own, before as XLA metadata (see ``thread_local_flag``).
     """
     return _trace_context()
 
