@@ -4,6 +4,7 @@ linearization of a Function; where a trace stands (vmap, eager shard_map)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import types
 from typing import Any, Literal, Sequence
@@ -95,7 +96,7 @@ _LINEARIZE_PRIMITIVE = _code(_LinearizeTrace, "process_primitive", "jax._src.int
 
 # ``LinearizeTrace.is_vjp`` (JAX 0.9 on) tells ``jax.linearize`` from reverse
 # mode; JAX 0.7 and 0.8 cannot tell, and both count as reverse mode.
-LINEARIZE_IS_TOLD_FROM_VJP = "is_vjp" in _LinearizeTrace.__init__.__code__.co_varnames
+LINEARIZE_IS_TOLD_FROM_VJP = "is_vjp" in inspect.signature(_LinearizeTrace).parameters
 # Without direct linearization (before JAX 0.7) ``jax.jvp`` of a jitted
 # function that ``jax.grad`` already differentiated reuses reverse mode's
 # record of the call (made without tracing its jvp, so without its effects).
