@@ -8,7 +8,6 @@ import threading
 from typing import Any, Callable
 
 import jax
-from jax.experimental.xla_metadata import set_xla_metadata as _set_xla_metadata
 
 from ._lookup import _config, _pe, _pjit, _require, _require_module
 
@@ -199,7 +198,9 @@ def thread_local_flag(name: str) -> Any:
     # dispatch key only. The trace caches key on ``config.trace_context()``, a
     # fixed tuple of JAX's own states; among them is the XLA metadata of the
     # public ``jax.experimental.xla_metadata.set_xla_metadata``.
-    return _FlagMarkedInMetadata(name, config_ext.Config(False, True))
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    return _FlagMarkedInMetadata(name, config_ext.Config(False, True), set_xla_metadata)
 
 
 class _FlagMarkedInMetadata:
@@ -212,11 +213,12 @@ class _FlagMarkedInMetadata:
     which no compiler pass reads.
     """
 
-    __slots__ = ("_name", "_state", "_entered")
+    __slots__ = ("_name", "_state", "_set_xla_metadata", "_entered")
 
-    def __init__(self, name: str, state: Any):
+    def __init__(self, name: str, state: Any, set_xla_metadata: Callable):
         self._name = name
         self._state = state
+        self._set_xla_metadata = set_xla_metadata
         self._entered = threading.local()  # this thread's metadata contexts, innermost last
 
     @property
@@ -225,7 +227,7 @@ class _FlagMarkedInMetadata:
 
     def swap_local(self, value: Any) -> Any:
         """Sets the flag on this thread (``set_local(previous)`` undoes it) and returns its previous value."""
-        context = _set_xla_metadata(**{self._name: value})
+        context = self._set_xla_metadata(**{self._name: value})
         context.__enter__()
         self._entered.__dict__.setdefault("contexts", []).append(context)
         return self._state.swap_local(value)
