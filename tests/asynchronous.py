@@ -11,6 +11,7 @@ does on a GPU, provided ``f`` is compiled already (call it once before).
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 
 @jax.jit
@@ -20,12 +21,17 @@ def _busy(x, m):
 
 
 def pending(x, size=1024):
-    """``x``, as an array still being computed (for a tenth of a second or so) when this returns."""
+    """``x``, as an array still being computed (for a tenth of a second or so) when this returns.
+
+    Skips the test where the runtime finished every program before its
+    call returned (seen on JAX 0.7 after a program whose callback failed).
+    """
     x = jnp.asarray(x)
-    while True:
+    while size <= 4096:
         m = jnp.full((size, size), 1e-3, jnp.float32)
         _busy(x, m).block_until_ready()  # compiled before the clock matters
         y = _busy(x, m)
         if not y.is_ready():
             return y
         size *= 2  # a fast machine finished first: more work
+    pytest.skip("this JAX lacks asynchronous dispatch here: each CPU program finished before its call returned")
