@@ -190,6 +190,33 @@ def test_a_failure_reported_once_is_not_raised_again_by_a_later_block():
         chex.assert_trees_all_close(jax.grad(exp_loss)(X + 1), jnp.exp(X + 1))
 
 
+def _failing_program():
+    """A jitted program whose host callback fails: an error that is no check's."""
+    def refuse(x):
+        raise ValueError("not a check")
+
+    return jax.jit(lambda x: jax.pure_callback(refuse, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+
+
+def test_an_op_by_op_failure_caught_inside_is_not_raised_again_after_another_program_failed():
+    EagerLog = functions.fresh(Log, "EagerLog", jit=False)
+    with detect_anomaly():
+        with pytest.raises(FloatingPointError, match=r"EagerLog\.forward returned nan in output 0"):
+            EagerLog.apply(jnp.array([1.0, -1.0]))  # raised op by op, to this very call
+        with pytest.raises(jax.errors.JaxRuntimeError, match="not a check"):
+            _failing_program()(X).block_until_ready()
+    # The block exits quietly: the only failed check was raised, and the failed program's error is the program's.
+
+
+def test_another_programs_error_is_not_replaced_by_an_op_by_op_failure_caught_before_it():
+    EagerLog = functions.fresh(Log, "EagerLog", jit=False)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="not a check"):
+        with detect_anomaly():
+            with pytest.raises(FloatingPointError, match=r"EagerLog\.forward returned nan in output 0"):
+                EagerLog.apply(jnp.array([1.0, -1.0]))
+            _failing_program()(X).block_until_ready()
+
+
 def test_nan_in_the_backward_of_an_eager_grad_is_raised_by_the_grad_call():
     with detect_anomaly():
         with pytest.raises(FloatingPointError, match=EXP_NAN):

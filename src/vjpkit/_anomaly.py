@@ -203,9 +203,17 @@ def check_finite(owner: str, method: str, labelled: Sequence[tuple[str, Any]]) -
             jnp.sum(jnp.isinf(x), dtype=jnp.int32),
             jnp.argmin(finite.ravel()).astype(jnp.int32),
         ))
-    if stats:
-        # On every device: in a multi-process run every process must raise.
-        jax.debug.callback(_Report(owner, method, tuple(wheres)), stats, **_sharding.debug_callback_everywhere())
+    if not stats:
+        return
+    report = _Report(owner, method, tuple(wheres))
+    leaves = jax.tree.leaves(stats)
+    if not any(isinstance(s, jax.core.Tracer) for s in leaves) and all(s.is_fully_addressable for s in leaves):
+        # Op by op: the check runs here and its error reaches this very caller, as itself (across processes,
+        # each runs its own part of the callback below).
+        report(stats, op_by_op=True)
+        return
+    # On every device: in a multi-process run every process must raise.
+    jax.debug.callback(report, stats, **_sharding.debug_callback_everywhere())
 
 
 class _Report:
@@ -214,13 +222,15 @@ class _Report:
     def __init__(self, owner: str, method: str, wheres: tuple):
         self.owner, self.method, self.wheres = owner, method, wheres
 
-    def __call__(self, stats: Sequence[tuple]) -> None:
+    def __call__(self, stats: Sequence[tuple], op_by_op: bool = False) -> None:
+        """``op_by_op``: called by the check itself, not by a program's callback: its error is not carried."""
         for (where, shape), (n_nan, n_inf, first) in zip(self.wheres, stats, strict=True):
             n_nan, n_inf = int(n_nan), int(n_inf)
             if n_nan or n_inf:
                 error = FloatingPointError(anomaly_message(self.owner, self.method, where, shape, n_nan, n_inf,
                                                            int(first)))
-                _callback_errors.carry(error, _SOURCE)
+                if not op_by_op:  # raised inside a program: the caller gets the runtime's error, and this beside it
+                    _callback_errors.carry(error, _SOURCE)
                 raise error
 
 
