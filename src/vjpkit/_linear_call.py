@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
 from . import _jax_internals
+from ._args import as_arrays
 from ._jax_internals import Primitive, ad, batching, mlir, partial_eval
 from ._site import see_catalogue
 
@@ -198,11 +199,14 @@ def _flat_rule(apply: Callable, num_res: int, out_avals: Sequence[Any], num_witn
 
     Why: there a tangent or cotangent must vary across devices wherever its
     primal does; a rule's ``jnp.zeros``, or a value computed from
-    replicated residuals only, does not (which changes no value).
+    replicated residuals only, does not (which changes no value). The
+    arguments reach the user's methods as JAX arrays: JAX 0.7 passes a
+    constant of the program it transposes as its own host-side literal,
+    which a Function called in ``backward`` would take for a static argument.
     """
 
     def rule(*args: Any) -> list:
-        res, lin = _split(args, num_res, num_witnesses)
+        res, lin = _split(as_arrays(args), num_res, num_witnesses)
         outs = list(apply(res, lin))
         for k, (out, aval) in enumerate(zip(outs, out_avals, strict=True)):
             missing = _jax_internals.varying_axes_of_type(aval) - _jax_internals.varying_axes(out)
