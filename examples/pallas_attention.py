@@ -34,6 +34,7 @@ that); the sequence length must be a multiple of 16 there.
 """
 
 import functools
+import inspect
 import math
 
 import jax
@@ -384,7 +385,10 @@ def export_for_cuda(fn, *shapes):
 
     checks = [export.DisabledSafetyCheck.custom_call(name) for name in TRITON_CALL_TARGETS]
     exporter = export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)
-    if jax.default_backend() == "gpu" or not hasattr(jax.sharding, "AbstractDevice"):
+    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
+    # Before JAX 0.11 the lowering asks no device, and abstract devices may name no platform.
+    names_a_platform = abstract_device is not None and "platform" in inspect.signature(abstract_device).parameters
+    if jax.default_backend() == "gpu" or not names_a_platform:
         return exporter(*shapes)
     device = jax.sharding.AbstractDevice(device_kind=EXPORT_GPU, num_cores=None, platform="gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
