@@ -208,8 +208,8 @@ def check_finite(owner: str, method: str, labelled: Sequence[tuple[str, Any]]) -
     report = _Report(owner, method, tuple(wheres))
     leaves = jax.tree.leaves(stats)
     if not any(isinstance(s, jax.core.Tracer) for s in leaves) and all(s.is_fully_addressable for s in leaves):
-        # Op by op: the check runs here and its error reaches this very caller, as itself (across processes,
-        # each runs its own part of the callback below).
+        # Op by op: the check runs here, and its error reaches this very caller as itself. (Arrays spread over
+        # several processes take the callback below, which runs in every process.)
         report(stats, op_by_op=True)
         return
     # On every device: in a multi-process run every process must raise.
