@@ -13,6 +13,7 @@ import functions
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxprs import equations
 
 import vjpkit
 from vjpkit._program import Program  # internals on purpose: counts the live programs, which no public API lists
@@ -99,25 +100,6 @@ def test_new_input_shape_traces_again_within_the_same_program():
     assert [c.shape for c in calls] == [(3,), (2, 2)]
 
 
-def _eqns(jaxpr):
-    """Every equation of a jaxpr, and of the jaxprs nested in its parameters."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for inner in _jaxprs_in(list(eqn.params.values())):
-            yield from _eqns(inner)
-
-
-def _jaxprs_in(value):
-    """The jaxprs in an equation's parameter (closed or open, alone or in a sequence)."""
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _jaxprs_in(v)
-
-
 # The custom_vjp's equation in a jaxpr (``custom_vjp_call_jaxpr`` before JAX 0.5).
 CUSTOM_JVP_CALL = {"custom_jvp_call", "custom_jvp_call_jaxpr"}  # every Function is one custom_jvp
 
@@ -132,7 +114,7 @@ def test_inside_an_outer_jit_it_inlines():
     (outer_eqn,) = jax.make_jaxpr(outer)(X).jaxpr.eqns
     assert outer_eqn.primitive.name in ("jit", "pjit")
     body = outer_eqn.params["jaxpr"].jaxpr
-    names = [eqn.primitive.name for eqn in _eqns(body)]
+    names = [eqn.primitive.name for eqn in equations(body)]
     assert CUSTOM_JVP_CALL & set(names), names
     assert not {"jit", "pjit"} & set(names), names
     chex.assert_trees_all_close(outer(X), jnp.exp(X) * 6)
@@ -147,7 +129,7 @@ def test_closed_over_array_inside_an_outer_jit_inlines():
         return Exp.apply(X) * y  # X is a concrete array, not a tracer
 
     (outer_eqn,) = jax.make_jaxpr(outer)(2.0).jaxpr.eqns
-    names = [eqn.primitive.name for eqn in _eqns(outer_eqn.params["jaxpr"].jaxpr)]
+    names = [eqn.primitive.name for eqn in equations(outer_eqn.params["jaxpr"].jaxpr)]
     assert CUSTOM_JVP_CALL & set(names), names
     assert not {"jit", "pjit"} & set(names), names
     chex.assert_trees_all_close(outer(2.0), jnp.exp(X) * 2)
@@ -157,7 +139,7 @@ def test_gradient_inside_an_outer_jit_inlines():
     Exp = counting_exp([])
     grad = jax.jit(jax.grad(lambda x: Exp.apply(x).sum()))
     (outer_eqn,) = jax.make_jaxpr(grad)(X).jaxpr.eqns
-    names = [eqn.primitive.name for eqn in _eqns(outer_eqn.params["jaxpr"].jaxpr)]
+    names = [eqn.primitive.name for eqn in equations(outer_eqn.params["jaxpr"].jaxpr)]
     assert not {"jit", "pjit"} & set(names), names
     chex.assert_trees_all_close(grad(X), jnp.exp(X))
 
@@ -170,7 +152,7 @@ def test_closed_over_concrete_array_inside_an_outer_jit_inlines_after_eager_call
 
     outer = jax.jit(lambda y: Exp.apply(c) * y)
     (outer_eqn,) = jax.make_jaxpr(outer)(X).jaxpr.eqns
-    names = [eqn.primitive.name for eqn in _eqns(outer_eqn.params["jaxpr"].jaxpr)]
+    names = [eqn.primitive.name for eqn in equations(outer_eqn.params["jaxpr"].jaxpr)]
     assert CUSTOM_JVP_CALL & set(names), names
     assert not {"jit", "pjit"} & set(names), names
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxprs import equations
 
 import vjpkit
 from vjpkit.testing import assert_gradcheck
@@ -124,32 +125,12 @@ def _kernel_name(eqn):
     return eqn.params["jaxpr"].debug_info.func_src_info.split()[0]
 
 
-def _sub_jaxprs(value):
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _sub_jaxprs(v)
-
-
 def count_kernel_calls(fn, *args):
     """How many times each kernel (by name) is called in ``fn``'s jaxpr, nested ones included."""
     counts = dict.fromkeys(KERNELS, 0)
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                name = _kernel_name(eqn)
-                if name in counts:
-                    counts[name] += 1
-                continue
-            for value in eqn.params.values():
-                for sub in _sub_jaxprs(value):
-                    walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for eqn in equations(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name == "pallas_call" and _kernel_name(eqn) in counts:
+            counts[_kernel_name(eqn)] += 1
     return counts
 
 
