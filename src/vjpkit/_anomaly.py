@@ -149,8 +149,9 @@ def detect_anomaly() -> Iterator[None]:
         # programs. Where one failed (the barrier raises its error), report the check
         # whichever thread ran it: a GPU may run a program's callbacks on the calling
         # thread and report the failure only where the result is awaited. Otherwise
-        # only a check run on another thread is undelivered: one that failed on this
-        # thread outside a program (op by op) was raised to the caller as itself.
+        # only a check run on another thread is undelivered: one that failed in a
+        # program on this thread failed the call that ran it. (A check run op by op
+        # is never carried: it raised to its caller as itself.)
         # Other errors of those programs are theirs, raised where their results are awaited.
         try:
             _jax_internals.effects_barrier()

@@ -203,6 +203,13 @@ def thread_local_flag(name: str) -> Any:
     return _FlagMarkedInMetadata(name, config_ext.Config(False, True), set_xla_metadata)
 
 
+class _EnteredContexts(threading.local):
+    """One thread's metadata contexts, innermost last."""
+
+    def __init__(self) -> None:
+        self.contexts: list = []
+
+
 class _FlagMarkedInMetadata:
     """A thread-local flag in the dispatch key, marked in the trace caches' key by XLA metadata (JAX 0.4.38 to 0.7).
 
@@ -219,7 +226,7 @@ class _FlagMarkedInMetadata:
         self._name = name
         self._state = state
         self._set_xla_metadata = set_xla_metadata
-        self._entered = threading.local()  # this thread's metadata contexts, innermost last
+        self._entered = _EnteredContexts()
 
     @property
     def value(self) -> Any:
@@ -229,7 +236,7 @@ class _FlagMarkedInMetadata:
         """Sets the flag on this thread (``set_local(previous)`` undoes it) and returns its previous value."""
         context = self._set_xla_metadata(**{self._name: value})
         context.__enter__()
-        self._entered.__dict__.setdefault("contexts", []).append(context)
+        self._entered.contexts.append(context)
         return self._state.swap_local(value)
 
     def set_local(self, previous: Any) -> None:
