@@ -128,11 +128,19 @@ class FnPrim(_Rules, _Base):
         ctx.saved_tensors = tuple(y if s is y_raw else s for s in ctx.saved_tensors)
         return y, ctx
 
-    # jax.jvp / jacfwd
+    # jax.jvp / jacfwd, and default jax.checkpoint (which differentiates by jvp, then transposes)
     def jvp(self, primals, tangents):
         nzs = [not isinstance(t, Zero) for t in tangents]
         y, ctx = self._forward(nzs, primals)
-        return y, self._user_jvp(ctx, tangents)
+        if not any(nzs):
+            return y, Zero(self.out_aval.to_tangent_aval())
+        # The tangent is a linear primitive of its own: evaluated (jax.jvp) it runs the user's jvp,
+        # transposed (reverse mode through jax.checkpoint) the user's backward.
+        saved = tuple(ctx.saved_tensors)
+        ts = tuple(t for t in tangents if not isinstance(t, Zero))
+        tangent = FnTangent(self.fn, ctx.needs_input_grad, tuple(map(_aval, saved)), tuple(map(_aval, ts)),
+                            self.out_aval.to_tangent_aval())
+        return y, tangent(*saved, *ts)
 
     def _user_jvp(self, ctx, tangents):
         if not hasattr(self.fn, "jvp"):
@@ -266,6 +274,94 @@ class FnVmap(_Rules, _Base):
             gi = next(out) if n else None
             grads.append(gi.sum(0) if gi is not None and d is None else gi)
         return tuple(grads)
+
+
+class FnTangent(_Base):
+    """``FnPrim``'s output tangent, linear in the input tangents (``needs``: which inputs have one).
+
+    ``expand`` (jax.jvp evaluates it): the user's ``jvp``, or the forward-mode
+    error of a class without one. ``transpose`` (reverse mode through default
+    ``jax.checkpoint``, which calls ``FnPrim.jvp`` and transposes its tangent):
+    the user's ``backward``, never the jvp transposed. Under vmap it is
+    ``FnTangentVmap``, a loop over the examples of both rules.
+    """
+
+    def __init__(self, fn, needs, res_avals, tangent_avals, out_aval):
+        self.in_avals = tuple(res_avals) + tuple(tangent_avals)
+        self.out_aval = out_aval
+        self.params = dict(fn=fn, needs=tuple(needs), n_res=len(res_avals))
+        super().__init__()
+
+    def _ctx(self, saved):
+        ctx = Ctx(self.needs)
+        ctx.saved_tensors = tuple(saved)
+        return ctx
+
+    def expand(self, *args):
+        saved, ts = args[:self.n_res], iter(args[self.n_res:])
+        if not hasattr(self.fn, "jvp"):
+            raise NotImplementedError(f"{self.fn.__name__} has no jvp (forward mode)")
+        COUNTS["jvp"] += 1
+        return self.fn.jvp(self._ctx(saved), *[next(ts) if n else None for n in self.needs])
+
+    def grads(self, saved, ct):
+        """The user's backward: one gradient per input that has a tangent."""
+        COUNTS["backward"] += 1
+        NEEDS_LOG.append(self.needs)
+        grads = self.fn.backward(self._ctx(saved), ct)
+        return [g for g, n in zip(grads, self.needs, strict=True) if n]
+
+    def transpose(self, ct, *maybe_accums):
+        saved, accums = maybe_accums[:self.n_res], maybe_accums[self.n_res:]
+        if isinstance(ct, Zero):
+            return None
+        for acc, g in zip(accums, self.grads(saved, ct), strict=True):
+            if isinstance(acc, _ad.GradAccum):
+                acc.accum(g)
+        return None
+
+    def batch(self, axis_data, args, dims):
+        if all(d is None for d in dims):
+            return self(*args), None
+        args = tuple(a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True))
+        dims = tuple(None if d is None else 0 for d in dims)
+        return FnTangentVmap(self, axis_data.size, axis_data.name, dims)(*args), 0
+
+
+class FnTangentVmap(_Base):
+    """``FnTangent`` over a leading batch axis: each example's jvp, or each example's backward."""
+
+    def __init__(self, prim, size, name, dims):
+        self.in_avals = tuple(a if d is None else jax.core.ShapedArray((size, *a.shape), a.dtype)
+                              for a, d in zip(prim.in_avals, dims, strict=True))
+        self.out_aval = jax.core.ShapedArray((size, *prim.out_aval.shape), prim.out_aval.dtype)
+        self.params = dict(prim=prim, size=size, name=name, dims=tuple(dims))
+        super().__init__()
+
+    def _vmap(self, f, in_axes):
+        return jax.vmap(f, in_axes=in_axes, out_axes=0, axis_size=self.size, axis_name=self.name)
+
+    def expand(self, *args):
+        return self._vmap(self.prim.expand, self.dims)(*args)
+
+    def grads(self, saved, ct):
+        n_res = self.prim.n_res
+        per_example = self._vmap(lambda s, c: self.prim.grads(s, c), (self.dims[:n_res], 0))(tuple(saved), ct)
+        # An input shared by every example gets the sum of the examples' gradients.
+        return [g if d == 0 else g.sum(0) for g, d in zip(per_example, self.dims[n_res:], strict=True)]
+
+    transpose = FnTangent.transpose
+
+    def batch(self, axis_data, args, dims):
+        if all(d is None for d in dims):
+            return self(*args), None
+        args = tuple(a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True))
+        dims = tuple(None if d is None else 0 for d in dims)
+        return FnTangentVmap(self, axis_data.size, axis_data.name, dims)(*args), 0
+
+    @property
+    def n_res(self):
+        return self.prim.n_res
 
 
 def _fnprim_bwd_retval(self, residuals, g):
@@ -403,12 +499,19 @@ def run_checks():
         "jax.checkpoint (grad)": lambda f: jax.grad(lambda w: jnp.sum(jnp.sin(jax.checkpoint(f)(x, w))))(w),
         "checkpoint policy=nothing_saveable": lambda f: jax.grad(lambda w: jnp.sum(jnp.sin(
             jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)(x, w))))(w),
+        "jax.jvp(jax.checkpoint)": lambda f: jax.jvp(jax.checkpoint(f), (x, w), (tx, tw)),
+        "jax.grad(jax.checkpoint(jax.vmap))": lambda f: jax.grad(
+            lambda w: jnp.sum(jnp.sin(jax.checkpoint(jax.vmap(f, (0, None)))(xs, w))))(w),
+        "jax.vmap(jax.grad(jax.checkpoint))": lambda f: jax.vmap(
+            jax.grad(lambda x, w: jnp.sum(jnp.sin(jax.checkpoint(f)(x, w))), (0, 1)), (0, None))(xs, w),
         "jax.export (call)": lambda f: _export(f, x, w),
         "jax.export of jax.grad": lambda f: _export(jax.grad(loss(f), 1), x, w),
     }
     loops = {  # where the reference is a loop over examples, not vmap of plain JAX
         "jax.vmap": lambda f: loop(lambda xi: f(xi, w), xs),
         "jax.vmap(jax.grad)": lambda f: jax.tree_util.tree_map(
+            lambda *a: jnp.stack(a), *[jax.grad(loss(f), (0, 1))(xs[i], w) for i in range(B)]),
+        "jax.vmap(jax.grad(jax.checkpoint))": lambda f: jax.tree_util.tree_map(
             lambda *a: jnp.stack(a), *[jax.grad(loss(f), (0, 1))(xs[i], w) for i in range(B)]),
     }
     rows = []
@@ -483,6 +586,8 @@ def backward_only_checks():
         "grad": lambda: jax.grad(lambda w: jnp.sum(jnp.sin(F(x, w))))(w),
         "grad(checkpoint)": lambda: jax.grad(lambda w: jnp.sum(jnp.sin(jax.checkpoint(F)(x, w))))(w),
         "grad(checkpoint(jit))": lambda: jax.grad(lambda w: jnp.sum(jnp.sin(jax.checkpoint(jax.jit(F))(x, w))))(w),
+        "grad(checkpoint(vmap)), summed over 3 copies of x": lambda: jax.grad(lambda w: jnp.sum(jnp.sin(
+            jax.checkpoint(jax.vmap(F, (0, None)))(jnp.stack([x, x, x]), w))) / 3)(w),
     }
     out = []
     flags = [False, True] if hasattr(jax.config, "jax_remat3") or "jax_remat3" in jax.config.values else [False]
