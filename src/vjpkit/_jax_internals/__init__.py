@@ -58,22 +58,30 @@ source_info_util._source_info_context (a named scope)  0.4.38          ``jax.nam
 
 The frame walks (``traces.differentiation``, ``vmap_batches_here``,
 ``custom_jvp_rule_batching``) answer what a ``custom_jvp`` rule is never
-told: which differentiation, or which vmap, runs it. Two public routes were
-measured. ``jax.custom_vjp(symbolic_zeros=True)`` for classes with only
-``backward`` gives first order alone: a second derivative then differentiates
-forward's code, not the Function's rules, a staged call differentiated later
-brings back the stale residuals of jax#16614, and every walk is still
-reached on the other paths. ``jax.experimental.hijax``'s class-based
-primitive (``VJPHiPrimitive`` in 0.10, ``HiPrim`` in 0.12) is told by which
-rule JAX calls (``jvp``; ``lin``/``linearized``; ``vjp_fwd`` with the
-inputs' ``needs_input_grad``, then ``vjp_bwd``; ``batch``): a probe of a
-Function on it passed first and second order, vmap against a loop, scan,
-cond, export and the jax#16614 sequence on 0.10.2 and 0.12, with no frame
-walk. What stands in the way of moving the core to it: ``jax.checkpoint``
-(without ``jax_remat3``) transposes the ``jvp`` rule instead of calling
-``vjp_fwd``/``vjp_bwd``, so a class with only ``backward`` fails there until
-its tangent is a linear primitive of its own, as here; its names and
-signatures changed between 0.10 and 0.12; and JAX before 0.10 has none.
+told: which differentiation, or which vmap, runs it. Three routes were
+measured (``benchmarks/results/``). ``jax.custom_vjp(symbolic_zeros=True)``
+for classes with only ``backward`` gives first order alone: a second
+derivative then differentiates forward's code, not the Function's rules, a
+staged call differentiated later brings back the stale residuals of
+jax#16614, and every walk is still reached on the other paths.
+``jax.experimental.hijax``'s class-based primitive (``VJPHiPrimitive`` in
+0.10, ``HiPrim`` in 0.12) is told by which rule JAX calls; a probe passed
+first and second order, vmap against a loop, scan, cond, checkpoint (its
+tangent a second, linear primitive whose transpose runs ``backward``) and
+export on 0.10.2 and 0.12, but JAX before 0.10 has none, and its names and
+signatures changed between 0.10 and 0.12. A primitive of vjpkit's own in
+place of the ``custom_jvp`` (``jax.extend.core.Primitive`` and the rule
+tables of ``jax.interpreters.ad``, ``batching`` and ``mlir``) passed the
+same checks on every JAX from 0.4.38 to 0.12 with no frame walk and no
+tracer made by hand: its JVP rule returns the output tangent as a linear
+primitive that runs ``jvp`` where JAX evaluates it and ``backward`` where
+JAX transposes it, so no rule asks which differentiation runs, and a vmap
+batches the call by the call's own rule, never its rule apart from its
+function. Its optimized HLO is ``custom_vjp``'s; tracing is 1.2x
+``custom_vjp`` through JAX's generic linearization, 0.78x with a
+linearization rule of its own (``ad.primitive_linearizations``, JAX 0.7 on).
+That is the route for the core; what it must still carry over is listed in
+``benchmarks/results/primitive_probe.md``.
 
 Public names whose home or meaning changed: ``jax.enable_x64`` (0.8 on;
 ``jax.experimental.enable_x64`` before), ``jax.Inline`` (``jit``'s
