@@ -22,9 +22,9 @@ core.no_axis_name, core.unmapped_aval                  all             none (vma
 core.mapped_aval, batching.batch_jaxpr (which outputs  all             none
   of a rule vary along a vmap)
 batching.BatchTrace (is a vmap active)                 all             none
-batching.batch_custom_jvp_subtrace (its code: a frame  all             none
-  that traces a custom_jvp's rule for a vmap)
-batching.BatchTrace.process_custom_jvp_call (its       all             none
+batching.batch_custom_jvp_subtrace (its code: a frame  all             none; a primitive of vjpkit's own
+  that traces a custom_jvp's rule for a vmap)                          batches its rules itself (below)
+batching.BatchTrace.process_custom_jvp_call (its       all             none; as above
   code: a frame that batches a custom_jvp's function
   and rule together)
 experimental.shard_map.ShardMapTrace (eager shard_map  0.4.38 to 0.5   none (JAX without ``jax.shard_map``)
@@ -36,9 +36,11 @@ partial_eval.JaxprTrace, JaxprTracer (reverse mode's   0.4.38 to 0.6   none (and
   jvp over partial evaluation, its known values)                       jax_use_direct_linearize off)
 partial_eval.JaxprTrace, JaxprTracer (a rule run by    0.7 on          none
   linearize_from_jvp)
-ad.JVPTrace, ad.LinearizeTrace                         all             none; ``jax.experimental.hijax``
-                                                                       (0.10 on, see below)
-ad.LinearizeTracer, JVPTracer (vjpkit's linearize)     all             none
+ad.JVPTrace, ad.LinearizeTrace (and their methods'    all             none; ``jax.experimental.hijax``
+  code: frames that run a rule)                                        (0.10 on), or a primitive of
+                                                                       vjpkit's own needs neither (below)
+ad.LinearizeTracer, JVPTracer (vjpkit's linearize)     all             none; JAX makes them for a primitive
+                                                                       with a linearization rule (below)
 config.use_direct_linearize                            all             none (read as on where absent)
 config.config_ext                                      all             none (``jax.config`` defines no states)
 config.trace_context (called: gradcheck's cache key)   all             none
