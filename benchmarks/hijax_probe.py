@@ -351,13 +351,7 @@ class FnTangentVmap(_Base):
 
     transpose = FnTangent.transpose
     jvp = FnTangent.jvp
-
-    def batch(self, axis_data, args, dims):
-        if all(d is None for d in dims):
-            return self(*args), None
-        args = tuple(a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True))
-        dims = tuple(None if d is None else 0 for d in dims)
-        return FnTangentVmap(self, axis_data.size, axis_data.name, dims)(*args), 0
+    batch = FnTangent.batch  # a vmap of this one nests another FnTangentVmap
 
     @property
     def n_res(self):
