@@ -74,8 +74,8 @@ export on 0.10.2 and 0.12, but JAX before 0.10 has none, and its names and
 signatures changed between 0.10 and 0.12. A primitive of vjpkit's own in
 place of the ``custom_jvp`` (``jax.extend.core.Primitive`` and the rule
 tables of ``jax.interpreters.ad``, ``batching`` and ``mlir``) passed the
-same checks on every JAX from 0.4.38 to 0.12 with no frame walk and no
-tracer made by hand: its JVP rule returns the output tangent as a linear
+same checks on the newest release of every JAX minor from 0.4.38 to 0.12,
+with no frame walk and no tracer made by hand: its JVP rule returns the output tangent as a linear
 primitive that runs ``jvp`` where JAX evaluates it and ``backward`` where
 JAX transposes it, so no rule asks which differentiation runs, and a vmap
 batches the call by the call's own rule, never its rule apart from its
