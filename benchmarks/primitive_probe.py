@@ -315,7 +315,7 @@ def register_linearize_rule():
     if table is None:
         return False
     told_vjp = "_is_vjp" in inspect.signature(ad_internal.fallback_linearize_rule).parameters  # JAX 0.9 on
-    # JAX 0.12 adds structured residuals: a fifth result, and a second argument of the linear function.
+    # JAX 0.11 adds structured residuals: a fifth result, and a second argument of the linear function.
     structured = "structured_residuals" in getattr(ad_internal.LinearizeTrace, "__annotations__", {})
 
     def linearize(*args, rules):
