@@ -63,10 +63,6 @@ def _is_tracer(x):
     return isinstance(x, jax.core.Tracer)
 
 
-def _zeros(aval):
-    return jnp.zeros(aval.shape, aval.dtype)
-
-
 # ---------------------------------------------------------------- a class's rules, on flat arrays
 
 
@@ -129,21 +125,42 @@ class Rules:
         return transposed(list(ts))[0]
 
 
-class VmapRules:
+class _PerExample:
+    """The tangent rules of ``inner`` as a loop over the examples (``jax.vmap`` of ``size``).
+
+    ``_axes(needs)``: the batch axes (0 or None) of the saved arrays and of
+    the tangents; an input shared by every example gets the sum of the
+    examples' gradients.
+    """
+
+    def _vmap(self, f, in_axes, out_axes=0):
+        return jax.vmap(f, in_axes=in_axes, out_axes=out_axes, axis_size=self.size)
+
+    def jvp(self, needs, saved, ts):
+        return self._vmap(lambda s, t: self.inner.jvp(needs, s, t), self._axes(needs))(tuple(saved), tuple(ts))
+
+    def grads(self, needs, saved, ct):
+        saved_axes, tangent_axes = self._axes(needs)
+        per_example = self._vmap(lambda s, c: self.inner.grads(needs, s, c), (saved_axes, 0))(tuple(saved), ct)
+        return [g if d == 0 else g.sum(0) for g, d in zip(per_example, tangent_axes, strict=True)]
+
+    def differentiable_jvp(self, needs, saved, ts, out_aval):
+        one = jax.core.ShapedArray(out_aval.shape[1:], out_aval.dtype)
+        return self._vmap(lambda s, t: self.inner.differentiable_jvp(needs, s, t, one),
+                          self._axes(needs))(tuple(saved), tuple(ts))
+
+
+class VmapRules(_PerExample):
     """``inner``'s rules over a leading batch axis of ``size`` (``dims``: 0 or None per input): a loop over examples."""
 
     def __init__(self, inner, size, dims):
         self.inner, self.size, self.dims = inner, size, tuple(dims)
-        self._out_at: tuple = ()
 
     def __hash__(self):
         return hash((self.inner, self.size, self.dims))
 
     def __eq__(self, other):
         return type(other) is VmapRules and (other.inner, other.size, other.dims) == (self.inner, self.size, self.dims)
-
-    def _vmap(self, f, in_axes, out_axes=0):
-        return jax.vmap(f, in_axes=in_axes, out_axes=out_axes, axis_size=self.size)
 
     def out_aval(self, in_avals):
         per = [a if d is None else jax.core.ShapedArray(a.shape[1:], a.dtype)
@@ -165,24 +182,11 @@ class VmapRules:
         y, saved = self._vmap(one, self.dims)(*args)  # every saved array batched (out_axes=0)
         return y, saved, tuple(out_at)
 
-    def _tangent_axes(self, needs):
-        return tuple(d for d, n in zip(self.dims, needs, strict=True) if n)
-
-    def jvp(self, needs, saved, ts):
-        return self._vmap(lambda s, t: self.inner.jvp(needs, s, t), (0, self._tangent_axes(needs)))(saved, tuple(ts))
-
-    def grads(self, needs, saved, ct):
-        per_example = self._vmap(lambda s, c: self.inner.grads(needs, s, c), (0, 0))(saved, ct)
-        # An input shared by every example gets the sum of the examples' gradients.
-        return [g if d == 0 else g.sum(0) for g, d in zip(per_example, self._tangent_axes(needs), strict=True)]
-
-    def differentiable_jvp(self, needs, saved, ts, out_aval):
-        one = jax.core.ShapedArray(out_aval.shape[1:], out_aval.dtype)
-        return self._vmap(lambda s, t: self.inner.differentiable_jvp(needs, s, t, one),
-                          (0, self._tangent_axes(needs)))(saved, tuple(ts))
+    def _axes(self, needs):
+        return 0, tuple(d for d, n in zip(self.dims, needs, strict=True) if n)
 
 
-class TangentVmapRules:
+class TangentVmapRules(_PerExample):
     """A ``probe_tangent``'s rules over a leading batch axis (``saved_dims``, ``tangent_dims``: 0 or None)."""
 
     def __init__(self, inner, size, saved_dims, tangent_dims):
@@ -198,21 +202,8 @@ class TangentVmapRules:
     def __eq__(self, other):
         return type(other) is TangentVmapRules and other._key() == self._key()
 
-    def _vmap(self, f, in_axes):
-        return jax.vmap(f, in_axes=in_axes, out_axes=0, axis_size=self.size)
-
-    def jvp(self, needs, saved, ts):
-        return self._vmap(lambda s, t: self.inner.jvp(needs, s, t), (self.saved_dims, self.tangent_dims))(
-            tuple(saved), tuple(ts))
-
-    def grads(self, needs, saved, ct):
-        per_example = self._vmap(lambda s, c: self.inner.grads(needs, s, c), (self.saved_dims, 0))(tuple(saved), ct)
-        return [g if d == 0 else g.sum(0) for g, d in zip(per_example, self.tangent_dims, strict=True)]
-
-    def differentiable_jvp(self, needs, saved, ts, out_aval):
-        one = jax.core.ShapedArray(out_aval.shape[1:], out_aval.dtype)
-        return self._vmap(lambda s, t: self.inner.differentiable_jvp(needs, s, t, one),
-                          (self.saved_dims, self.tangent_dims))(tuple(saved), tuple(ts))
+    def _axes(self, needs):
+        return self.saved_dims, self.tangent_dims
 
 
 # ---------------------------------------------------------------- the two primitives
