@@ -13,9 +13,11 @@ import functions
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jaxprs import equations
 
 import vjpkit
+from vjpkit._jax_internals import enable_x64  # jax.enable_x64, or its older home
 from vjpkit._program import Program  # internals on purpose: counts the live programs, which no public API lists
 
 X = jnp.array([0.5, -1.0, 2.0])
@@ -100,8 +102,8 @@ def test_new_input_shape_traces_again_within_the_same_program():
     assert [c.shape for c in calls] == [(3,), (2, 2)]
 
 
-# The custom_vjp's equation in a jaxpr (``custom_vjp_call_jaxpr`` before JAX 0.5).
-CUSTOM_JVP_CALL = {"custom_jvp_call", "custom_jvp_call_jaxpr"}  # every Function is one custom_jvp
+# A Function's call in a jaxpr: an equation of vjpkit's own primitive.
+FUNCTION_CALL = {"vjpkit_call"}
 
 
 def test_inside_an_outer_jit_it_inlines():
@@ -115,7 +117,7 @@ def test_inside_an_outer_jit_it_inlines():
     assert outer_eqn.primitive.name in ("jit", "pjit")
     body = outer_eqn.params["jaxpr"].jaxpr
     names = [eqn.primitive.name for eqn in equations(body)]
-    assert CUSTOM_JVP_CALL & set(names), names
+    assert FUNCTION_CALL & set(names), names
     assert not {"jit", "pjit"} & set(names), names
     chex.assert_trees_all_close(outer(X), jnp.exp(X) * 6)
 
@@ -130,7 +132,7 @@ def test_closed_over_array_inside_an_outer_jit_inlines():
 
     (outer_eqn,) = jax.make_jaxpr(outer)(2.0).jaxpr.eqns
     names = [eqn.primitive.name for eqn in equations(outer_eqn.params["jaxpr"].jaxpr)]
-    assert CUSTOM_JVP_CALL & set(names), names
+    assert FUNCTION_CALL & set(names), names
     assert not {"jit", "pjit"} & set(names), names
     chex.assert_trees_all_close(outer(2.0), jnp.exp(X) * 2)
 
@@ -153,8 +155,67 @@ def test_closed_over_concrete_array_inside_an_outer_jit_inlines_after_eager_call
     outer = jax.jit(lambda y: Exp.apply(c) * y)
     (outer_eqn,) = jax.make_jaxpr(outer)(X).jaxpr.eqns
     names = [eqn.primitive.name for eqn in equations(outer_eqn.params["jaxpr"].jaxpr)]
-    assert CUSTOM_JVP_CALL & set(names), names
+    assert FUNCTION_CALL & set(names), names
     assert not {"jit", "pjit"} & set(names), names
+
+
+class AddOnes(vjpkit.Function):
+    """``x + jnp.ones(3)``: float64 under x64, whatever ``x``'s dtype; float32 without."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x + jnp.ones(3)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_a_call_staged_in_an_outer_jit_follows_the_trace_configuration():
+    # The staged call's function is traced once per operand types and configuration: under x64 forward's
+    # jnp.ones is float64, and the same float32 operand must not reuse the float32 trace (nor the reverse).
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    outer = jax.jit(lambda x: AddOnes.apply(x) * 2)
+    plain = jax.jit(lambda x: (x + jnp.ones(3)) * 2)
+    for x64 in (True, False, True):
+        with enable_x64(x64):
+            got, expected = outer(x), plain(x)
+            assert got.dtype == expected.dtype == (jnp.float64 if x64 else jnp.float32)
+            chex.assert_trees_all_close(got, expected)
+
+
+class SplitsMatrices(vjpkit.Function):
+    """A matrix gives its rows' and columns' sums, a vector its sum: the output's structure follows the shapes."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return (x.sum(1), x.sum(0)) if x.ndim == 2 else x.sum()
+
+    @staticmethod
+    def backward(ctx, *gs):
+        if len(ctx.shape) == 2:
+            g_rows, g_cols = gs
+            return g_rows[:, None] + g_cols[None, :]
+        return jnp.broadcast_to(gs[0], ctx.shape)
+
+
+def _splits_matrices(x):
+    return (x.sum(1), x.sum(0)) if x.ndim == 2 else x.sum()
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_an_output_structure_that_depends_on_the_input_shape_follows_each_call(wrap):
+    # One program serves every shape; each call gets the structure forward gave at its own shapes.
+    vector, matrix = jnp.arange(3.0), jnp.arange(6.0).reshape(2, 3)
+
+    def loss(f):
+        return lambda x: sum(jnp.sum(jnp.sin(y)) for y in jax.tree_util.tree_leaves(f(x)))
+
+    for x in (vector, matrix, vector, matrix):
+        chex.assert_trees_all_close(wrap(SplitsMatrices.apply)(x), _splits_matrices(x))
+        chex.assert_trees_all_close(wrap(jax.grad(loss(SplitsMatrices.apply)))(x), jax.grad(loss(_splits_matrices))(x))
+    assert SplitsMatrices.cache_info().programs == 1
 
 
 def test_jit_false_option_runs_forward_on_concrete_arrays(capsys):

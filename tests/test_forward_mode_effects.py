@@ -16,7 +16,7 @@ from functions import SinJvpOnly, SinWithJvp
 import vjpkit
 
 # JAX-version flags (which behaviour this JAX has): no public API says it.
-from vjpkit._jax_internals import JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS, LINEARIZE_IS_TOLD_FROM_VJP
+from vjpkit._jax_internals import LINEARIZE_IS_TOLD_FROM_VJP
 
 X = jnp.array([0.3, -1.2, 2.0])
 T = jnp.array([1.0, 0.5, -2.0])
@@ -149,9 +149,10 @@ def test_ordered_debug_print_in_jvp_and_backward_prints_in_program_order(capsys)
 
 
 # Reverse mode records a call to jvp without tracing it (grad never runs
-# jvp), so without its effects. Where JAX reuses that record to run the jvp,
-# the call runs in order from JAX 0.9 (jax.linearize) and 0.7 (jax.jvp after
-# jax.grad); older JAX raises vjpkit's error instead of JAX's KeyError.
+# jvp), so without its effects. Where JAX reuses that record to run the jvp
+# (jax.linearize before JAX 0.9, which a rule cannot tell from reverse mode),
+# vjpkit raises its error instead of JAX's KeyError; from JAX 0.9 the call
+# runs in order.
 OLD_JAX_ERROR = (
     r"RecordingSin\.jvp uses ordered effects .*reverse mode recorded.* Pass ordered=False in RecordingSin\.jvp"
 )
@@ -171,15 +172,23 @@ def test_ordered_callback_in_jvp_runs_under_linearize_or_raises_naming_the_class
     assert [label for label, _ in events] == ["jvp"]
 
 
-def test_ordered_callback_in_jvp_runs_in_jvp_after_grad_or_raises_naming_the_class():
+def test_ordered_callback_in_jvp_runs_in_jvp_after_grad():
+    # jax.grad's record of the call is its own: jax.jvp after it traces the jvp, with its effects.
     events = []
     cls, record = recording_sin(events, ordered=True)
     jax.grad(lambda x: cls.apply(x).sum())(X)
-    if not JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS:
-        with pytest.raises(TypeError, match=OLD_JAX_ERROR):
-            jax.jvp(cls.apply, (X,), (T,))
-        return
     got = jax.jvp(cls.apply, (X,), (T,))
+    jax.effects_barrier()
+    chex.assert_trees_all_close(got, jax.jvp(jnp.sin, (X,), (T,)), rtol=1e-6)
+    assert [label for label, _ in events] == ["backward", "jvp"]
+
+
+def test_ordered_callback_in_jvp_runs_in_jvp_of_a_jit_after_its_grad():
+    events = []
+    cls, record = recording_sin(events, ordered=True)
+    jitted = jax.jit(cls.apply)
+    jax.grad(lambda x: jitted(x).sum())(X)
+    got = jax.jvp(jitted, (X,), (T,))
     jax.effects_barrier()
     chex.assert_trees_all_close(got, jax.jvp(jnp.sin, (X,), (T,)), rtol=1e-6)
     assert [label for label, _ in events] == ["backward", "jvp"]

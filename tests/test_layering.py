@@ -100,7 +100,8 @@ def test_no_private_names_imported_across_packages():
 # and residuals, the tie, the linear_call primitive, then the helpers everything shares. Each
 # imports only modules below it.
 CORE = [
-    "_function", "_dispatch", "_program", "_runner", "_spec", "_host", "_ctx", "_outputs", "_tie", "_linear_call",
+    "_function", "_dispatch", "_program", "_call", "_runner", "_spec", "_host", "_ctx", "_outputs", "_tie",
+    "_linear_call",
     "_anomaly", "_once", "_args", "_sharding", "_tree", "_caches", "_callback_errors", "_jax_internals", "_site",
 ]
 # Built on the core, with the core's names without an underscore: C++ kernels, and from_torch's bridge.

@@ -486,14 +486,11 @@ AXES = st.sampled_from([0, -1, None])
 
 
 STAGED = ("of_vmap_jit", "of_jit_vmap")
-# JAX before 0.7 keeps the staged forms' answer from vjpkit (a staged call's tie would keep its program alive in
-# JAX's caches): there a vmap of a staged call raises naming the class instead, and they are not drawn.
-DRAWN_STAGED = STAGED if vjpkit._jax_internals.PARAMETERS_HELD_WEAKLY else ()
 
 
 @st.composite
 def calls(draw, members: tuple, transforms: tuple = TRANSFORMS,
-          forms: tuple = ("direct", "vmap_of", "of_vmap", *DRAWN_STAGED), batch_x: bool = False):
+          forms: tuple = ("direct", "vmap_of", "of_vmap", *STAGED), batch_x: bool = False):
     member = draw(st.sampled_from(members))
     name = draw(st.sampled_from([t for t in transforms if allowed(member, t)]))
     in_axes = tuple(draw(AXES) for _ in range(4))
@@ -544,7 +541,6 @@ def test_outputs_constant_in_the_batch_agree_with_the_loop(sequence):
     _run(sequence)
 
 
-@pytest.mark.skipif(not DRAWN_STAGED, reason="this JAX lacks caches that hold parameters weakly (JAX 0.7 on)")
 @_settings(thorough=100, plain=2)
 @given(st.lists(calls(("zeros", "independent", "straight_through"), forms=STAGED, batch_x=True), min_size=1,
                 max_size=2))

@@ -16,6 +16,7 @@ CASES = [
     "sharded_eager_apply",  # apply's own jit on sharded inputs keeps the sharding
     "per_example_grads_sharded",
     "shard_map_forward",
+    "shard_map_forward_with_replication_checked",  # check_rep (JAX before 0.6) or check_vma
     "shard_map_grad",  # grad inside shard_map, psum'd loss, replicated params
     "grad_of_shard_map",
     "shard_map_grad_of_sharded_input",

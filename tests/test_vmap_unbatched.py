@@ -30,7 +30,7 @@ from functions import REFERENCE, ScaledRules, WeightedSin, WeightedSinJvpOnly, W
 from jax import lax
 
 import vjpkit
-from vjpkit import _jax_internals, _tie  # internals on purpose: the guard behind the tie's batching; which JAX
+from vjpkit import _tie  # internals on purpose: the guard behind the tie's batching
 
 XS = jnp.array([0.1, 0.5, -1.0, 2.0, 0.3])
 W = jnp.float32(1.5)
@@ -436,13 +436,6 @@ def test_a_backward_not_linear_in_its_cotangents_runs_per_example():
     close(jax.jit(grad)(EXAMPLES, w), per_example.sum())
 
 
-# JAX before 0.7 would keep a program alive by a staged call's tie (its caches hold equations' parameters).
-STAGED_TIES = pytest.mark.skipif(not _jax_internals.PARAMETERS_HELD_WEAKLY,
-                                 reason="this JAX lacks caches that hold parameters weakly (JAX 0.7 on): under "
-                                        "a vmap of a staged call such an output raises naming the class")
-
-
-@STAGED_TIES
 @functions(MovesWithX)
 @pytest.mark.parametrize("inside", STAGED_INSIDE)
 def test_a_vmap_that_batches_a_staged_call_gives_each_example_its_own_derivative(fn, inside):
@@ -473,15 +466,9 @@ def test_grad_of_a_jit_around_the_vmap_gives_each_example_its_own_derivative_of_
     # jax.grad(jax.jit(f)) traces f (and its vmap) before differentiating: the vmap fixes the output's batch
     # axis first, as above. Passes' rules carry each example's cotangent through unchanged.
     loss = jax.jit(lambda x: jnp.sum(WEIGHTS * jax.vmap(fn.apply)(x)))
-    if not _jax_internals.PARAMETERS_HELD_WEAKLY:  # before JAX 0.7: refused, naming the class (STAGED_TIES)
-        with pytest.raises(ValueError, match=rf"{fn.__name__} has an output that does not vary along a jax\.vmap "
-                                             r"but whose derivative does .* by its value alone"):
-            jax.grad(loss)(EXAMPLES)
-        return
     close(jax.grad(loss)(EXAMPLES), WEIGHTS)
 
 
-@STAGED_TIES
 @functions(Passes)
 def test_inside_a_staged_call_a_constant_output_with_a_moving_derivative_comes_out_batched(fn):
     # Where a vmap batches a jaxpr, the output's batch axis is fixed before any derivative: it takes the one its

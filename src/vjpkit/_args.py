@@ -2,8 +2,8 @@
 
 The bound values are then split (``_tree.partition``) into traced (array)
 and static (everything else) parts: static leaves become part of the
-compile-cache key and are closed over by the ``custom_jvp``, so no tracer
-can ever leak through ``nondiff_argnums`` (vjpkit never uses them).
+compile-cache key and are closed over by the program, so no tracer can
+ever leak through a primitive's parameters.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def split_residuals(saved: Any) -> tuple[Partition, tuple]:
 
 
 def as_jax_leaf(x: Any) -> Any:
-    """NumPy values become JAX arrays at the ``custom_jvp`` boundary."""
+    """NumPy values become JAX arrays at the call's boundary."""
     return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 

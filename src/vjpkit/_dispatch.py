@@ -15,7 +15,7 @@ from . import _anomaly, _jax_internals
 from ._args import as_jax_leaf
 from ._caches import on_clear
 from ._outputs import Packed
-from ._program import Program, no_forward_mode
+from ._program import Program, closed_over_differentiated, no_forward_mode
 from ._site import see_catalogue
 from ._spec import Spec
 from ._tree import Partition, Unkeyable, dict_key_types, find_tracer, is_array, lift_static_tracers, static_key
@@ -57,19 +57,6 @@ class CacheInfo(NamedTuple):
     misses: int  # each miss traced the user's forward anew
 
 
-def _closed_over_differentiated(spec: Spec, how: str) -> TypeError:
-    # JAX raises CustomVJPException or UnexpectedTracerError, naming neither the class nor the value's way in.
-    return TypeError(
-        f"{spec.name}.forward uses a value that JAX is differentiating but that is not an argument of "
-        f"{spec.name}.apply: {spec.name} {how} (a function argument closing over parameters, "
-        f"{spec.name}.apply(lambda x: f(x, w), x) under jax.grad with respect to w, or a class defined "
-        f"inside the differentiated function using its variables). {spec.name}'s derivative covers "
-        f"apply's arguments only, so pass the value as an argument of its own ({spec.name}.apply(f, x, w), "
-        f"with f taking it) and return its gradient from {spec.name}.backward (its tangent from jvp). "
-        f"{see_catalogue('closure-over-a-differentiated-value')}"
-    )
-
-
 def _leaked_tracer(spec: Spec, e: UnexpectedTracerError) -> UnexpectedTracerError:
     # JAX's report says where the value was created; vjpkit says why and what to do.
     return UnexpectedTracerError(
@@ -106,7 +93,7 @@ _SHAPES_PER_PROGRAM = 16
 class _Entry:
     """A cached program, its jits, and the call shapes routed to it."""
 
-    __slots__ = ("key", "program", "jitted", "on_arrays", "routes", "used")
+    __slots__ = ("key", "program", "jitted", "on_arrays", "in_reverse_mode", "routes", "used")
 
     def __init__(self, key: Any, program: Program, jits: tuple[Callable, Callable] | None):
         self.key = key  # the program's key in _Cache.programs
@@ -114,6 +101,7 @@ class _Entry:
         # Its jits (None for ``jit = False``): for calls on tracers, and on concrete arrays.
         self.jitted: Callable | None = jits[0] if jits else None
         self.on_arrays: Callable | None = jits[1] if jits else None
+        self.in_reverse_mode: Callable | None = None  # made when first needed (JAX before 0.7)
         self.routes: list[tuple] = []  # where each call shape routed here is remembered (see _Cache.route)
         self.used = 0  # the number of the last call that ran it (_Cache.calls): the least recent is dropped
 
@@ -336,7 +324,7 @@ class _Cache:
                 entry.used = self.calls
             # On concrete arrays, the jit (it inlines if an outer jit traces); on tracers, _run_in_trace; with a
             # static argument holding a tracer of an enclosing transformation (a function closing over it), the
-            # custom_jvp itself, as for a class whose methods close over one (a jit of its own cannot hold it).
+            # call itself, as for a class whose methods close over one (a jit of its own cannot hold it).
             on_tracers = entry.jitted is None or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
             run: Any = functools.partial(_run_in_trace, entry) if on_tracers else entry.on_arrays
             if any(find_tracer(value) for _, value in layout.static):
@@ -422,37 +410,30 @@ def _run_in_trace(entry: _Entry, *arrays: Any) -> Any:
     """A call on tracers (or of a ``jit = False`` class)."""
     spec = entry.program.spec
     # JAX may reuse a forward rule traced for reverse mode.
-    if spec.jvp is None and _jax_internals.differentiation("apply") == "linearize":
+    if spec.jvp is None and _jax_internals.differentiation_of_apply() == "linearize":
         raise no_forward_mode(spec)
     if entry.jitted is None or _jax_internals.is_staging() or _jax_internals.is_batching():
-        # Under an outer jit (or scan, checkpoint, ...) the custom_jvp inlines
-        # into the caller's program; jit=False runs op by op. Under vmap, JAX
-        # batches it as a plain custom_jvp (outputs batched as its rule says).
+        # Under an outer jit (or scan, checkpoint, ...) the call inlines into
+        # the caller's program; jit=False runs op by op. Under vmap, its
+        # batching rule batches it.
         return _differentiable(entry.program, arrays)
+    if _jax_internals.linearizes_by_jvp_here():  # reverse mode that differentiates a jit by its JVP
+        if entry.in_reverse_mode is None:
+            entry.in_reverse_mode = entry.program.reverse_jit()
+        return entry.in_reverse_mode(*arrays)
     return entry.jitted(*arrays)
 
 
 def _run_unjitted(entry: _Entry, *arrays: Any) -> Any:
     """A call whose static arguments hold a tracer of an enclosing transformation."""
-    if entry.program.spec.jvp is None and _jax_internals.differentiation("apply") == "linearize":
+    if entry.program.spec.jvp is None and _jax_internals.differentiation_of_apply() == "linearize":
         raise no_forward_mode(entry.program.spec)
     return _differentiable(entry.program, arrays)
 
 
 def _differentiable(program: Program, arrays: tuple) -> Any:
-    """The program's custom_jvp of ``arrays``; its primal where JAX drops the rule but would refuse it first.
-
-    That is an eager ``jax.experimental.shard_map`` (vmapped or not) before
-    JAX 0.6, which refuses a custom_jvp with symbolic zeros (see ``_jax_internals``).
-    """
-    leaves = tuple(map(as_jax_leaf, arrays))
-    trace = _jax_internals.reverse_linearize_trace()
-    if trace is not None:
-        # Reverse mode's linearization, made directly (JAX's would partially evaluate the rule).
-        return program.linearize(trace, leaves)
-    if _jax_internals.reaches_eager_shard_map_refusing_symbolic_zeros():
-        return program.runner.primal(*leaves)
-    return program.differentiable(*leaves)
+    """The program's call of ``arrays``."""
+    return program.differentiable(*map(as_jax_leaf, arrays))
 
 
 def _reraise(spec: Spec, program: Program, e: Exception, run: Any) -> None:
@@ -461,15 +442,15 @@ def _reraise(spec: Spec, program: Program, e: Exception, run: Any) -> None:
     how = "holds it in a closure passed in" if passed_in or not spec.closes_over_tracer else "closes over it"
     if isinstance(e, UnexpectedTracerError):
         if spec.closes_over_tracer or passed_in:  # JAX's report for a closure over a value it differentiates
-            raise _closed_over_differentiated(spec, how) from None
+            raise closed_over_differentiated(spec, how) from None
         raise _leaked_tracer(spec, e) from None
     if _jax_internals.is_closed_over_differentiated_error(e):
-        raise _closed_over_differentiated(spec, how) from None
+        raise closed_over_differentiated(spec, how) from None
     tracer = _jax_internals.closed_over_tracer_type(e)
     if tracer is not None:
         # A tracer that no argument brought in, which JAX's lowering met as a constant.
         if tracer in ("JVPTracer", "LinearizeTracer"):
-            raise _closed_over_differentiated(spec, how) from None
+            raise closed_over_differentiated(spec, how) from None
         raise TypeError(
             f"{spec.name}'s methods use a value of an enclosing transformation ({tracer}) that is not an "
             f"argument of {spec.name}.apply: {spec.name} {how}. Pass the value as an argument of its own."

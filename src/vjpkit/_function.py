@@ -2,16 +2,16 @@
 
 The one path for data::
 
-    apply -> bind arguments -> split traced/static -> cached jitted custom_jvp
+    apply -> bind arguments -> split traced/static -> cached jitted call
           -> user forward with a ctx -> residuals -> user backward
           -> checked gradients
 
 A class becomes a cache of *programs*, one per static part of a call
 (``_tree.partition`` of the bound arguments), in front of which ``apply``
 dispatches on the call's shape (``_dispatch.py``). A program
-(``_program.py``) owns one ``jax.custom_jvp`` whose primal and rule run the
-user's methods (``_runner.py``), and its ``jax.jit``; JAX's own jit cache
-then handles shapes and dtypes.
+(``_program.py``) is what one call (``_call.py``, a primitive of vjpkit's
+own) runs: its function and rules run the user's methods (``_runner.py``);
+with its ``jax.jit``, JAX's own jit cache then handles shapes and dtypes.
 """
 
 from __future__ import annotations

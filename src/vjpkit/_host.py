@@ -197,7 +197,7 @@ class _HostFunction:
             return _sharding.vary_like(out, arrays)  # under shard_map: per-device values
 
         # Only a second derivative differentiates this directly (through the
-        # forward rule's residuals); first order goes through the custom_jvp's rules.
+        # forward rule's residuals); first order goes through the call's rules.
         out = call_without_derivative(forward_of_arrays, call.arrays, self._second_order_message())
         # What backward needs: the inputs, as residuals (forward is re-run on
         # the host, so nothing else crosses), and the outputs' static

@@ -2,22 +2,24 @@
 
 Forward mode needs the user's ``jvp`` and reverse mode the user's
 ``backward`` on ONE function, which neither ``custom_jvp`` nor
-``custom_vjp`` allows (jax#3996). vjpkit's ``custom_jvp`` rule returns its
-tangent through this primitive: evaluating it runs ``apply`` (the user's
-jvp); transposing it runs ``transpose`` (the user's backward) inline, as
-JAX runs a ``custom_vjp``'s backward, so a derivative of the gradient
-differentiates backward's code. Unlike JAX's own
-``custom_derivatives.linear_call`` it batches (both rules, lazily, as a
-loop over the examples under ``jax.vmap``: an output is batched where the
-rule that runs makes it depend on the batch) and its JVP also
-differentiates through the residuals, so ``jax.hessian``,
-``jacfwd(jacrev)`` and ``jacrev(jacfwd)`` are right. Where forward mode
-runs ``apply``, its work on the residuals alone runs before the call, so
-that ``jax.linearize`` and ``jax.checkpoint``'s policies keep it, as they
-keep a ``custom_jvp`` rule's. It also declares the effects of the rule it
-runs (``jax.debug.print``, ordered or not), keeps ``shard_map``'s varying
+``custom_vjp`` allows (jax#3996). The call's JVP rule (``_call.py``,
+``_program.Program.rule``) returns its tangent through this primitive:
+evaluating it runs ``apply`` (the user's jvp); transposing it runs
+``transpose`` (the user's backward) inline, as JAX runs a ``custom_vjp``'s
+backward, so a derivative of the gradient differentiates backward's code.
+Unlike JAX's own ``custom_derivatives.linear_call`` it batches (both rules,
+lazily, as a loop over the examples under ``jax.vmap``: an output is
+batched where the rule that runs makes it depend on the batch) and its JVP
+also differentiates through the residuals, so ``jax.hessian``,
+``jacfwd(jacrev)`` and ``jacrev(jacfwd)`` are right. Where ``apply`` may
+run, its work on the residuals alone runs before the call, so that
+``jax.linearize`` and ``jax.checkpoint``'s policies keep it, as they keep a
+``custom_jvp`` rule's. It also declares the effects of the rule it runs
+(``jax.debug.print``, ordered or not), keeps ``shard_map``'s varying
 types, and batches under the vmap's axis name, so that collectives over it
-work inside the rules.
+work inside the rules. Its binders say which differentiation runs the
+rule that binds it (``differentiation``): reverse mode records the call to
+transpose it, and never traces ``apply``.
 """
 
 from __future__ import annotations
@@ -31,28 +33,10 @@ from jax.extend.core import jaxpr_as_fun
 
 from . import _jax_internals
 from ._args import as_arrays
-from ._jax_internals import Primitive, ad, batching, mlir, partial_eval
+from ._jax_internals import Primitive, ad, batching, mlir
 from ._site import see_catalogue
 
-
-class _LinearCallPrimitive(Primitive):
-    """Each bind notes whether reverse mode is recording it to transpose it.
-
-    Why: JAX caches abstract evaluation by parameters, and replays recorded
-    equations with theirs; the one recorded for ``jax.grad`` (no effects:
-    its jvp is never traced) must not stand for the one ``jax.jvp`` runs.
-    """
-
-    def bind(self, *args: Any, **params: Any) -> Any:
-        params["recorded"] = _jax_internals.differentiation("custom_jvp rule") == "vjp"
-        return super().bind(*args, **params)
-
-    def bind_recorded(self, *args: Any, **params: Any) -> Any:
-        """A bind its caller knows reverse mode records (``Program.linearize``): no callers to look at."""
-        return super().bind(*args, **params, recorded=True)
-
-
-_linear_call_p = _LinearCallPrimitive("vjpkit_linear_call")
+_linear_call_p = Primitive("vjpkit_linear_call")
 _linear_call_p.multiple_results = True
 
 
@@ -64,8 +48,7 @@ def linear_call(
     transpose: Callable | None,
     out_avals: Sequence[Any],
     name: str,
-    primals: Sequence[Any] = (),
-    recorded: bool = False,
+    differentiation: str,
 ) -> list:
     """``apply(residuals, linear_inputs)``, linear in ``linear_inputs``.
 
@@ -74,24 +57,20 @@ def linear_call(
     A ``transpose`` with the attribute ``takes_symbolic_zeros`` receives
     ``None`` for cotangents that JAX knows are zero.
     ``out_avals`` are ``apply``'s output types (no tracing to find them).
-    ``primals``: where a vmap may batch the call (under ``jax.vmap``, or
-    traced into a jaxpr), the primal of each linear input, then of each
-    output; empty elsewhere. The outputs' batch axes are carried (see
-    ``_linear_call_batch``): a vmap that fixed them before batching the rule
-    cannot batch an output's tangent apart from it.
-    ``recorded``: the caller knows that reverse mode records the call to
-    transpose it (otherwise the callers say, see ``_LinearCallPrimitive``).
+    ``differentiation``: which runs the rule that binds the call
+    (``"jvp"``, ``"linearize"``, ``"vjp"``): reverse mode records it to
+    transpose it, never tracing ``apply``.
     """
-    witnesses = tuple(map(_batch_witness, primals[len(linear_inputs):]))
+    recorded = differentiation == "vjp"
     traced = None
-    if not (recorded or hasattr(apply, "forward_mode_error")):
-        residuals, apply, transpose, traced = _residual_work_first(tuple(residuals), witnesses, tuple(linear_inputs),
+    if not recorded and not hasattr(apply, "forward_mode_error"):
+        residuals, apply, transpose, traced = _residual_work_first(tuple(residuals), tuple(linear_inputs),
                                                                    apply, transpose, tuple(out_avals))
-    return _bind(residuals, witnesses, linear_inputs, apply=apply, transpose=transpose, out_avals=out_avals,
+    return _bind(residuals, linear_inputs, apply=apply, transpose=transpose, out_avals=out_avals,
                  name=name, traced=traced, recorded=recorded)
 
 
-def _residual_work_first(residuals: tuple, witnesses: tuple, linear_inputs: tuple, apply: Callable,
+def _residual_work_first(residuals: tuple, linear_inputs: tuple, apply: Callable,
                          transpose: Callable | None, out_avals: tuple) -> tuple:
     """``apply``'s work on the residuals alone done before the call, as plain JAX operations; the rest in the call.
 
@@ -102,29 +81,31 @@ def _residual_work_first(residuals: tuple, witnesses: tuple, linear_inputs: tupl
     runs; kept inside the call, the first would run again on every call of
     that function, whatever the policy. The call then gets the values that
     work computed as residuals too (``transpose`` still sees only its own).
-    Only under ``jax.linearize`` (JAX 0.9 on; before, it cannot be told
-    from reverse mode, whose ``apply`` never runs), around or inside the
-    ``jax.checkpoint``: elsewhere (``jax.jvp``, ``jax.jacfwd``) the call
-    runs once, and splitting it would only cost tracing. Not for a rule
-    with effects (they stay where the rule runs).
+    Wherever ``apply`` may run: not where reverse mode records the call
+    (it never runs ``apply``). A rule learns ``jax.linearize`` only from
+    JAX 0.9 on, and never inside a ``jax.checkpoint`` (whose JVP JAX traces
+    before deciding what to do with it), so the call is split under
+    ``jax.jvp`` as well, where it costs tracing only. Not for a rule with
+    effects (they stay where the rule runs).
 
     Returns the call's residuals, rules and traced rule (None: traced when
     bound). The rule is traced here once, as binding it would trace it.
     """
-    if _jax_internals.differentiation("custom_jvp rule") != "linearize":
-        return residuals, apply, transpose, None
-    num_res, num_witnesses = len(residuals), len(witnesses)
-    in_avals = tuple(map(_jax_internals.typeof, residuals + witnesses + linear_inputs))
-    traced = _TracedRule(apply, num_res, num_witnesses, out_avals)
-    jaxpr = traced.jaxpr(in_avals)
+    num_res = len(residuals)
+    in_avals = tuple(map(_jax_internals.typeof, residuals + linear_inputs))
+    traced = _TracedRule(apply, num_res, out_avals)
+    try:
+        jaxpr = traced.jaxpr(in_avals)
+    except Exception:  # noqa: BLE001 - a rule that cannot be traced reports its error where it runs
+        return residuals, apply, transpose, traced
     if jaxpr.effects:
         return residuals, apply, transpose, traced
-    unknowns = [False] * (num_res + num_witnesses) + [True] * len(linear_inputs)
+    unknowns = [False] * num_res + [True] * len(linear_inputs)
     known, unknown = _jax_internals.split_known(jaxpr, unknowns)
     if not known.eqns:
         return residuals, apply, transpose, traced
     with _jax_internals.on_primal_trace(residuals):
-        computed = tuple(jaxpr_as_fun(known)(*residuals, *witnesses))
+        computed = tuple(jaxpr_as_fun(known)(*residuals))
     linear_part = jaxpr_as_fun(unknown)
 
     def apply_rest(res: tuple, lin: tuple) -> list:
@@ -140,61 +121,31 @@ def _residual_work_first(residuals: tuple, witnesses: tuple, linear_inputs: tupl
     return residuals + computed, apply_rest, transpose_own, None
 
 
-def _bind(residuals: Sequence[Any], witnesses: tuple, linear_inputs: Sequence[Any], *, apply: Callable,
+def _bind(residuals: Sequence[Any], linear_inputs: Sequence[Any], *, apply: Callable,
           transpose: Callable | None, out_avals: Sequence[Any], name: str, traced: _TracedRule | None = None,
           recorded: bool = False) -> list:
     num_res, out_avals = len(residuals), tuple(out_avals)
     if traced is None:
-        traced = _TracedRule(apply, num_res, len(witnesses), out_avals)
-    bind = _linear_call_p.bind_recorded if recorded else _linear_call_p.bind
-    return bind(
+        traced = _TracedRule(apply, num_res, out_avals)
+    return _linear_call_p.bind(
         *residuals,
-        *witnesses,
         *linear_inputs,
         num_res=num_res,
-        num_witnesses=len(witnesses),
         apply=apply,
         transpose=transpose,
         out_avals=out_avals,
         name=name,
         traced=traced,
+        recorded=recorded,
     )
 
 
-def _batch_witness(x: Any) -> Any:
-    """A primal's batch axis without its data: an empty slice of it (``_linear_call_jvp`` ignores its tangent)."""
-    x = jnp.reshape(x, (1,)) if jnp.ndim(x) == 0 else x
-    return jax.lax.slice(x, (0,) * x.ndim, (0,) * x.ndim)
+def _split(args: Sequence[Any], num_res: int) -> tuple[tuple, tuple]:
+    """(residuals, linear inputs) of a call's operands."""
+    return tuple(args[:num_res]), tuple(args[num_res:])
 
 
-def _linear_call_partial_eval(trace: Any, *tracers: Any, num_res: int, num_witnesses: int, **params: Any) -> list:
-    """A call with unknown (linear) inputs staged without its batch witnesses.
-
-    Why: partial evaluation (``jax.linearize``, reverse mode) would keep them
-    as residuals, for a call that is then evaluated or transposed, never
-    batched by them.
-    """
-    res, witnesses, lin = _parts(tracers, num_res, num_witnesses)
-    if witnesses and not all(t.is_known() for t in tracers):
-        tracers, num_witnesses = res + lin, 0
-        params["traced"] = _TracedRule(params["apply"], num_res, 0, params["out_avals"])
-    return trace.default_process_primitive(
-        _linear_call_p, tracers, dict(params, num_res=num_res, num_witnesses=num_witnesses)
-    )
-
-
-def _parts(args: Sequence[Any], num_res: int, num_witnesses: int) -> tuple[tuple, tuple, tuple]:
-    """A call's operands: (residuals, batch witnesses, linear inputs)."""
-    return tuple(args[:num_res]), tuple(args[num_res:num_res + num_witnesses]), tuple(args[num_res + num_witnesses:])
-
-
-def _split(args: Sequence[Any], num_res: int, num_witnesses: int = 0) -> tuple[tuple, tuple]:
-    """(residuals, linear inputs) of a call's operands, without the batch witnesses between them."""
-    res, _, lin = _parts(args, num_res, num_witnesses)
-    return res, lin
-
-
-def _flat_rule(apply: Callable, num_res: int, out_avals: Sequence[Any], num_witnesses: int = 0) -> Callable:
+def _flat_rule(apply: Callable, num_res: int, out_avals: Sequence[Any]) -> Callable:
     """``apply`` on flat arguments, its outputs typed as ``out_avals`` inside ``shard_map``.
 
     Why: there a tangent or cotangent must vary across devices wherever its
@@ -206,7 +157,7 @@ def _flat_rule(apply: Callable, num_res: int, out_avals: Sequence[Any], num_witn
     """
 
     def rule(*args: Any) -> list:
-        res, lin = _split(as_arrays(args), num_res, num_witnesses)
+        res, lin = _split(as_arrays(args), num_res)
         outs = list(apply(res, lin))
         for k, (out, aval) in enumerate(zip(outs, out_avals, strict=True)):
             missing = _jax_internals.varying_axes_of_type(aval) - _jax_internals.varying_axes(out)
@@ -227,10 +178,10 @@ class _TracedRule:
 
     # Slots, and the rule's jaxprs made on the first asked for (reverse mode never asks): a trace
     # keeps one per bound call alive until it ends, and Python's garbage collector walks them all.
-    __slots__ = ("apply", "num_res", "num_witnesses", "out_avals", "name", "_jaxprs", "__weakref__")
+    __slots__ = ("apply", "num_res", "out_avals", "name", "_jaxprs", "__weakref__")
 
-    def __init__(self, apply: Callable, num_res: int, num_witnesses: int, out_avals: tuple):
-        self.apply, self.num_res, self.num_witnesses, self.out_avals = apply, num_res, num_witnesses, out_avals
+    def __init__(self, apply: Callable, num_res: int, out_avals: tuple):
+        self.apply, self.num_res, self.out_avals = apply, num_res, out_avals
         self.name = getattr(apply, "__qualname__", "rule")
         self._jaxprs: dict | None = None
 
@@ -239,9 +190,23 @@ class _TracedRule:
         if self._jaxprs is None:
             self._jaxprs = {}
         if key not in self._jaxprs:
-            rule = _flat_rule(self.apply, self.num_res, self.out_avals, self.num_witnesses)
+            rule = _flat_rule(self.apply, self.num_res, self.out_avals)
             self._jaxprs[key] = jax.make_jaxpr(rule)(*key)
         return self._jaxprs[key]
+
+    def effects(self, in_avals: Sequence[Any]) -> Any:
+        """The rule's effects; none where it cannot be traced.
+
+        Why: JAX before 0.7 differentiates a ``jit`` by its JVP, traced
+        before JAX knows whether reverse mode transposes it, so a rule that
+        only reverse mode needs is bound as forward mode's; one that cannot
+        run (``backward`` that JAX cannot transpose, at second order)
+        reports its error where it runs, if it ever does.
+        """
+        try:
+            return self.jaxpr(in_avals).effects
+        except Exception:  # noqa: BLE001 - the rule's own error comes where it runs
+            return set()
 
     def __repr__(self) -> str:
         return f"<traced {self.name}>"
@@ -259,21 +224,21 @@ def refuse_forward_mode(rule: Callable) -> None:
         raise error()
 
 
-def _linear_call_impl(*args, num_res, num_witnesses, apply, transpose, out_avals, name, traced, recorded):
+def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced, recorded):
     refuse_forward_mode(apply)
-    res, lin = _split(args, num_res, num_witnesses)
+    res, lin = _split(args, num_res)
     return list(apply(res, lin))
 
 
-def _linear_call_abstract_eval(*in_avals, num_res, num_witnesses, apply, transpose, out_avals, name, traced, recorded):
+def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, name, traced, recorded):
     if recorded or hasattr(apply, "forward_mode_error"):
         # Recorded to be transposed, never run: grad must not trace the jvp
         # (nor a rule forward mode may not run, whose transpose is traced when bound).
         return list(out_avals), set()
-    return list(out_avals), traced.jaxpr(in_avals).effects
+    return list(out_avals), traced.effects(in_avals)
 
 
-def _linear_call_lowering(ctx, *args, num_res, num_witnesses, apply, transpose, out_avals, name, traced, recorded):
+def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
     refuse_forward_mode(apply)
     jaxpr = traced.jaxpr(ctx.avals_in)
     missing = _jax_internals.ordered_effects_without_tokens(ctx, jaxpr.effects)
@@ -283,9 +248,7 @@ def _linear_call_lowering(ctx, *args, num_res, num_witnesses, apply, transpose, 
             f"{name}.jvp uses ordered effects ({', '.join(map(str, missing))}) in a call that "
             "reverse mode recorded without them (reverse mode never runs jvp, so it did not "
             f"trace it), and JAX {_jax_internals.JAX_RELEASE} runs that record here: before JAX 0.9 "
-            "jax.linearize shares it, and before JAX 0.7 so does jax.jvp of a function that "
-            f"jax.grad already differentiated. Pass ordered=False in {name}.jvp, or use "
-            "JAX 0.9 or later."
+            f"jax.linearize shares it. Pass ordered=False in {name}.jvp, or use JAX 0.9 or later."
         )
     return mlir.lower_fun(jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
 
@@ -331,9 +294,9 @@ def _jax_said(e: Exception) -> str:
     return "" if isinstance(e, AssertionError) else str(e).strip()
 
 
-def _linear_call_transpose(cts, *args, num_res, num_witnesses, apply, transpose, out_avals, name, traced, recorded):
-    res, witnesses, lin = _parts(args, num_res, num_witnesses)
-    if any(ad.is_undefined_primal(r) for r in res + witnesses):
+def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
+    res, lin = _split(args, num_res)
+    if any(ad.is_undefined_primal(r) for r in res):
         raise TypeError(f"{name}: internal error: a residual of linear_call is linear.")
     in_avals = tuple(x.aval for x in lin)
     zero = tuple(type(ct) is ad.Zero for ct in cts)
@@ -346,7 +309,7 @@ def _linear_call_transpose(cts, *args, num_res, num_witnesses, apply, transpose,
         transpose = _with_zeros_as_none(transpose, zero)
     # Run inline, as a custom_vjp's backward is: a derivative of it differentiates its code.
     cts_in = _flat_rule(transpose, num_res, in_avals)(*res, *cts)
-    return [None] * (num_res + num_witnesses) + list(cts_in)
+    return [None] * num_res + list(cts_in)
 
 
 def _with_zeros_as_none(rule: Callable, zero: tuple) -> Callable:
@@ -356,10 +319,10 @@ def _with_zeros_as_none(rule: Callable, zero: tuple) -> Callable:
     return rule_with_zeros
 
 
-def _linear_call_jvp(primals, tangents, *, num_res, num_witnesses, apply, transpose, out_avals, name, traced,
-                     recorded):
-    res, witnesses, lin = _parts(primals, num_res, num_witnesses)
-    d_res, _, d_lin = _parts(tangents, num_res, num_witnesses)  # a witness's value is never read
+def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name, traced, recorded):
+    differentiation = _jax_internals.differentiation_running_rule()
+    res, lin = _split(primals, num_res)
+    d_res, d_lin = _split(tangents, num_res)
     primals, tangents = res + lin, d_res + d_lin
     rule = _flat_rule(apply, num_res, out_avals)
     if all(type(t) is ad.Zero for t in d_res):
@@ -369,8 +332,8 @@ def _linear_call_jvp(primals, tangents, *, num_res, num_witnesses, apply, transp
         out = rule(*primals)
         if all(type(t) is ad.Zero for t in d_lin):
             return out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
-        return out, _bind(res, witnesses, list(map(ad.instantiate_zeros, d_lin)), apply=apply, transpose=transpose,
-                          out_avals=out_avals, name=name, traced=traced)
+        return out, _bind(res, list(map(ad.instantiate_zeros, d_lin)), apply=apply, transpose=transpose,
+                          out_avals=out_avals, name=name, traced=traced, recorded=differentiation == "vjp")
     # The residuals move too: differentiate the rule's JAX code along every
     # moving input at once. (Splitting it into call(res, d_lin) + d/d_res
     # computes shared factors twice, and XLA does not merge a@w + b@w.) Inputs
@@ -390,41 +353,26 @@ def _linear_call_jvp(primals, tangents, *, num_res, num_witnesses, apply, transp
     return list(out), list(tangent_out)
 
 
-def _linear_call_batch(axis_data, args, dims, *, num_res, num_witnesses, apply, transpose, out_avals, name, traced,
-                       recorded):
+def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name, traced, recorded):
     """A loop over the examples, whatever the rules: each example's tangents from its own residuals and inputs.
 
     An output is batched where the rule that runs makes it depend on the
-    batch (``_batched_outputs``, as JAX batches a ``custom_jvp``'s rule),
-    whether or not its primal does: under ``jax.jvp`` or ``jax.grad`` of the
-    vmap JAX then batches the primal with it. An output unbatched in value
-    and in derivative stays unbatched.
+    batch (``_batched_outputs``, as JAX batches a ``jax.custom_jvp``'s rule).
+    An output that does not depend on the batch stays unbatched.
     """
     axis_names = _jax_internals.vmap_axis_names(axis_data)
-    res, witnesses, lin = _parts(args, num_res, num_witnesses)
+    res, lin = _split(args, num_res)
     if all(d is None for d in dims) and axis_names["axis_name"] is None:
-        out = _bind(res, witnesses, lin, apply=apply, transpose=transpose, out_avals=out_avals, name=name)
+        out = _bind(res, lin, apply=apply, transpose=transpose, out_avals=out_avals, name=name, recorded=recorded)
         return out, [None] * len(out)
     size = axis_data.size
-    res_dims, witness_dims, lin_dims = _parts(dims, num_res, num_witnesses)
+    res_dims, lin_dims = _split(dims, num_res)
     res = tuple(x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(res, res_dims, strict=True))
     lin = tuple(x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(lin, lin_dims, strict=True))
     res_axes = tuple(None if d is None else 0 for d in res_dims)
     lin_axes = tuple(None if d is None else 0 for d in lin_dims)
-    # The outputs' batch axes (witnesses: none where no vmap may batch the call, nor after partial evaluation).
-    outputs_batched = bool(witness_dims) and all(d is not None for d in witness_dims)
-    rule_batching = _jax_internals.custom_jvp_rule_batching() if witness_dims and not reading_batching.active else None
-    batched_jaxpr = None
-    if outputs_batched and rule_batching is not None:
-        # Each output is batched in value, so JAX batches its tangent anyway: nothing to learn from the rule.
-        batched = [True] * len(out_avals)
-    else:
-        batched, batched_jaxpr = _batched_outputs(apply, transpose, recorded, res, lin, res_axes + lin_axes,
-                                                  out_avals, axis_data)
-    if rule_batching == "after its function" and any(
-        b and d is None for b, d in zip(batched, witness_dims, strict=True)
-    ):
-        raise _batched_apart_from_output(name)
+    batched, batched_jaxpr = _batched_outputs(apply, transpose, recorded, res, lin, res_axes + lin_axes,
+                                              out_avals, axis_data)
     out_axes = tuple(0 if b else None for b in batched)
 
     def batched_apply(r: tuple, xs: tuple) -> list:
@@ -441,8 +389,8 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, num_witnesses, apply, 
     batched_out_avals = tuple(
         _jax_internals.batched_aval(a, size, axis_data) if b else a for a, b in zip(out_avals, batched, strict=True)
     )
-    out = _bind(res, witnesses, lin, apply=batched_apply, transpose=batched_transpose, out_avals=batched_out_avals,
-                name=name)
+    out = _bind(res, lin, apply=batched_apply, transpose=batched_transpose, out_avals=batched_out_avals,
+                name=name, recorded=recorded)
     return out, list(out_axes)
 
 
@@ -450,39 +398,14 @@ class _ReadingBatching(threading.local):
     """Whether this thread is reading which outputs of a rule vary along a batch (``_tie._derivative_batched``).
 
     That reading traces and batches the rule for one example, nested in
-    whatever batching asked; how a vmap batches the rule running now
-    (``custom_jvp_rule_batching``, read from the callers) belongs to that
-    outer batching, not to the reading. The ties of the rule read are
-    batched by their values there, which stops the reading from recursing.
+    whatever batching asked. The ties of the rule read are batched by
+    their values there, which stops the reading from recursing.
     """
 
     active = False
 
 
 reading_batching = _ReadingBatching()
-
-
-def _batched_apart_from_output(name: str) -> ValueError:
-    """The error for a tangent batched where a vmap fixed its output unbatched before batching the rule.
-
-    Why: a vmap that batches a call inside a jaxpr fixes its outputs' batch
-    axes by the call's function alone, before any derivative batches the
-    rule. A staged Function's function ties its outputs so that those axes
-    already follow the rule's derivative (``_program.Program._primal``,
-    ``_tie._derivative_batched``); this guard stands where they still do
-    not, for JAX would broadcast each example's tangent against the fixed
-    axes (for a ``jax.custom_jvp``: per example the sum of the examples'
-    derivatives, or an error inside JAX).
-    """
-    return ValueError(
-        f"{name} has an output that does not vary along a jax.vmap but whose derivative does ({name}'s rules "
-        "make it vary along the batch), and that vmap fixed the output's batch axis by its value alone, before "
-        f"differentiating: it batched {name} inside a jit, checkpoint, scan or cond, or inside a jit that is "
-        "differentiated from outside. There JAX cannot give each example its own derivative of an unbatched "
-        "output (a jax.custom_jvp gets a wrong one, or fails inside JAX). Differentiate inside the jit "
-        "(jax.jit(jax.grad(f)), not jax.grad(jax.jit(f))) with the vmap outside jit, checkpoint, scan and "
-        f"cond, or make that output of {name}.forward depend on the batched input."
-    )
 
 
 def _batched_transpose(transpose: Callable, res_axes: tuple, lin_axes: tuple, out_axes: tuple, size: int,
@@ -578,5 +501,5 @@ ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
 _jax_internals.hold_weakly_in_caches(_TracedRule)
 ad.primitive_transposes[_linear_call_p] = _linear_call_transpose
 batching.fancy_primitive_batchers[_linear_call_p] = _linear_call_batch
-partial_eval.custom_partial_eval_rules[_linear_call_p] = _linear_call_partial_eval
+_jax_internals.tell_jvp_rule_which_differentiation(_linear_call_p)
 

@@ -2,7 +2,7 @@
 
 ``pack_outputs`` turns whatever forward returned into a pytree whose leaves
 are arrays only (non-array leaves ride in the tree's static data), which is
-what ``custom_jvp`` and ``jit`` accept. ``output_cotangents`` turns JAX's
+what the call's primitive and ``jit`` accept. ``output_cotangents`` turns JAX's
 cotangents back into the arguments backward expects (PyTorch style), and
 ``check_backward_outputs`` validates and normalizes what backward returns.
 """
@@ -34,7 +34,7 @@ class Packed:
     """Forward's output as a pytree of arrays; ``unpack`` gives the user's value.
 
     ``layout`` (the output's structure and non-array leaves) is static data,
-    which is how ``custom_jvp`` and ``jit`` let non-array outputs through.
+    which is how the call and ``jit`` let non-array outputs through.
     """
 
     __slots__ = ("arrays", "layout")

@@ -1,19 +1,17 @@
-"""A program: one static part of a call, as one ``jax.custom_jvp`` for both modes, and its ``jit``s.
+"""A program: one static part of a call, as one call of vjpkit's own primitive for both modes, and its ``jit``s.
 
-``Program`` owns the ``custom_jvp`` of the call's array leaves: its primal
-runs the user's forward, and its rule (``Program.rule``) runs forward
-knowing which inputs are differentiated, ties the outputs (``_tie.py``),
-and returns the output tangent as a ``linear_call`` (``_linear_call.py``)
-whose two rules are the Function's own derivative (``OwnDerivative``).
-Where reverse mode linearizes a call directly, ``apply`` makes the same
-split itself (``Program.linearize``). The user's methods run in ``_runner.py``.
+``Program`` is what the call (``_call.call_p``) of the call's array leaves
+runs: its function runs the user's forward, and its JVP rule
+(``Program.rule``) runs forward knowing which inputs are differentiated,
+ties the outputs (``_tie.py``), and returns the output tangent as a
+``linear_call`` (``_linear_call.py``) whose two rules are the Function's
+own derivative (``OwnDerivative``). Where reverse mode linearizes the call
+(JAX 0.7 on), ``Program.linearize`` makes the same split, forward on the
+primals' trace and the ``linear_call`` on the tangents'. The user's methods
+run in ``_runner.py``.
 
-Every Function becomes a ``jax.custom_jvp`` (symbolic zeros, so
-``needs_input_grad`` is real) whose rule runs the user's forward and returns
-the output tangent through ``_linear_call.linear_call`` (``OwnDerivative``):
-
-- ``jax.jvp``/``jax.jacfwd`` evaluate that call: the user's ``jvp`` runs
-  (a class with only ``backward`` raises, naming the class);
+- ``jax.jvp``/``jax.jacfwd`` evaluate the ``linear_call``: the user's
+  ``jvp`` runs (a class with only ``backward`` raises, naming the class);
 - ``jax.grad``/``jax.vjp``/``jax.jacrev`` transpose it: the user's
   ``backward`` runs, or, for a class with only ``jvp``, JAX transposes the
   user's ``jvp`` (which must then be linear in the tangents);
@@ -26,13 +24,14 @@ set of differentiated inputs, and ``custom_vjp`` keeps one residual
 structure per traced call, that of the last forward rule it traced, for
 every backward of that call (jax#16614): a jitted program differentiated
 eagerly with respect to ``x``, then ``w``, then both, ran backward with the
-second call's ``needs_input_grad``. A ``custom_jvp`` keeps each rule's
-trace, with its residuals and ``linear_call``, together.
+second call's ``needs_input_grad``. The call's rules run for each
+differentiation, each with its own inputs, residuals and ``linear_call``.
 
-Why not ``custom_jvp`` alone: JAX would transpose the jvp rule for reverse
-mode and never call ``backward``. Why not ``linear_call`` from JAX: it has
-no batching rule (``jax.jacfwd`` vmaps) and its JVP rule asserts that the
-residuals are constant (``jax.hessian`` fails).
+Why not ``custom_jvp``: JAX would transpose the jvp rule for reverse mode
+and never call ``backward``, and its rule is not told which
+differentiation runs it (``_call.py``). Why not ``linear_call`` from JAX:
+it has no batching rule (``jax.jacfwd`` vmaps) and its JVP rule asserts
+that the residuals are constant (``jax.hessian`` fails).
 """
 
 from __future__ import annotations
@@ -47,6 +46,9 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from . import _jax_internals, _sharding
 from ._args import as_arrays
+from ._caches import table
+from ._call import call
+from ._jax_internals import ad
 from ._linear_call import linear_call
 from ._outputs import Packed, ResidualMeta, Residuals
 from ._runner import Runner
@@ -55,60 +57,112 @@ from ._spec import Spec
 from ._tie import tie_outputs
 from ._tree import Partition, is_differentiable_dtype
 
+_VARIES = object()  # runs of forward gave different output layouts (``Program._layout``)
+
 
 class Program:
     """The differentiable function (and its ``jit``) for one static part of a call (``layout``).
 
-    ``differentiable``: the ``custom_jvp`` of the call's array leaves,
-    returning ``Packed``; ``jit()``: new ``jax.jit``s of it. ``runner``
-    runs the user's methods.
+    ``differentiable``: the call (``_call.call_p``) of the call's array
+    leaves, returning ``Packed``; ``jit()``: new ``jax.jit``s of it.
+    ``runner`` runs the user's methods. The program is the call's rules
+    (``_call.Rules``): its function, and its JVP rule (``rule``).
     """
 
     def __init__(self, spec: Spec, layout: Partition, n_values: int, anomaly: bool = False):
         self.spec = spec
+        self.name = spec.name
         self.anomaly = anomaly  # traced under vjpkit.detect_anomaly: NaN/Inf checks
         self.runner = Runner(spec, layout, n_values, anomaly)
-        self.differentiable: Callable = self._custom_jvp()
+        self.closed_over = spec.closure_values  # the call's first operands: the tracers the methods close over
+        self.n_closed = len(self.closed_over)
+        # By operand types and JAX's trace-time configuration (x64, matmul precision, ...: what forward's
+        # code may read while it traces): the function's jaxpr and output layout (_traced), and the output
+        # layout of runs of forward (_layouts, once runs gave different ones: see _note_layout).
+        self._traced = table()
+        self._layouts = table()
+        # forward's output layout while every run of forward gave the same one (None: no run yet; _VARIES:
+        # runs gave different ones, and _layouts holds them by operand types from then on).
+        self._layout: Any = None
         # The jit of _jit_body lives in the cache entry, not on the program: JAX's
-        # caches keep jaxprs whose custom_jvp rules refer to the program, so a
-        # program that referred to its jit would keep that jit's cache key (and
+        # caches keep jaxprs whose calls refer to the program, so a program
+        # that referred to its jit would keep that jit's cache key (and
         # compiled executables) alive after vjpkit's cache dropped it.
 
-    def _custom_jvp(self) -> Any:
-        spec, runner = self.spec, self.runner
-        primal = _named(self._primal, spec.name)
-        function = jax.custom_jvp(primal)
-
-        def rule(primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
-            return self.rule(primals, tangents)
-
-        rule.__name__ = rule.__qualname__ = f"{spec.name}.jvp"
-        # JAX would work these out anew on every call while tracing (the same each time).
-        n_arrays = len(runner.layout.dynamic)
-        _jax_internals.save_debug_info(primal, "custom_jvp fun", n_arrays)
-        _jax_internals.save_rule_debug_info(rule, "custom_jvp jvp", n_arrays)
-        function.defjvp(rule, symbolic_zeros=True)
-        return function
-
-    def _primal(self, *arrays: Any) -> Packed:
-        """forward's outputs where JAX runs the ``custom_jvp``'s function (nothing is differentiated there).
-
-        Staged outside any vmap (a ``jit``, ``scan``, ``cond`` or
-        ``checkpoint`` body), the outputs are tied: a vmap that batches the
-        staged function later fixes its outputs' batch axes before a
-        derivative runs the rule, and the tie's batching rule batches an
-        output whose derivative varies along the batch even where its value
-        does not (a loop over the examples gives each its own derivative).
-        The tie lowers to nothing. Only where JAX's caches hold it weakly
-        (JAX 0.7 on): before, a staged call's tie would keep its program
-        alive, and such a vmap of a staged call raises an error naming the
-        class instead (``_linear_call``).
-        """
-        if self.spec.host or not _jax_internals.is_staging() or not _jax_internals.PARAMETERS_HELD_WEAKLY:
+    def differentiable(self, *arrays: Any, reverse_jit: bool = False) -> Packed:
+        """forward's outputs, as the call of this program (differentiated by its rules; ``reverse_jit``: see
+        ``_call.call``)."""
+        if _jax_internals.is_evaluating():  # on concrete arrays (a jit = False class): forward, op by op
             return self.runner.primal(*arrays)
-        arrays = as_arrays(arrays)
+        operands = (*self.spec.closure_values, *arrays)
+        outs = call(self, operands, reverse_jit)
+        layout = self._layout  # every run of forward so far (this call's too, if it ran one) gave this one
+        if layout is None or layout is _VARIES:
+            in_avals = tuple(map(_jax_internals.typeof, operands))
+            key = (in_avals, _jax_internals.trace_configuration())
+            layout = self._layouts.get(key)
+            if layout is None:  # no run of forward at these types noted (a vmap runs it for one example)
+                layout = self._traced_function(in_avals)[1]
+        return Packed(tuple(outs), layout)
+
+    def _seen(self, operands: Sequence[Any], packed: Packed) -> Packed:
+        """Notes the output layout of a run of forward on ``operands``."""
+        self._note_layout(operands, None, packed.layout)
+        return packed
+
+    def _note_layout(self, operands: Sequence[Any], in_avals: tuple | None, layout: Any) -> None:
+        """Notes ``layout``, given by a run of forward on ``operands`` (or on values of types ``in_avals``).
+
+        While every run gives one layout, that is all there is to know;
+        once runs differ (forward's output structure depends on its input
+        shapes, or on JAX's configuration), each is kept by its key.
+        """
+        if self._layout is None:
+            self._layout = layout
+        elif self._layout is not _VARIES and layout != self._layout:
+            self._layout = _VARIES
+        if self._layout is _VARIES:
+            in_avals = tuple(map(_jax_internals.typeof, operands)) if in_avals is None else in_avals
+            self._layouts[in_avals, _jax_internals.trace_configuration()] = layout
+
+    # -- the call's function ----------------------------------------------
+
+    def primal(self, *operands: Any) -> list:
+        """forward's output arrays where nothing is differentiated."""
+        return list(self._seen(operands, self.runner.primal(*operands[self.n_closed:])).arrays)
+
+    evaluate = primal  # on concrete arrays: forward itself, op by op
+
+    def tied_primal(self, *operands: Any) -> list:
+        """forward's output arrays, each tied to the Function's own derivative (read by a vmap, ``_call.Batched``)."""
+        arrays = as_arrays(operands[self.n_closed:])
+        if self.spec.host:
+            return list(self.runner.primal(*arrays).arrays)
         packed, residuals = self.runner.run_primal(arrays)
-        return self._tied(arrays, packed, residuals)[0]
+        return list(self._tied(arrays, packed, residuals)[0].arrays)
+
+    def traced(self, in_avals: tuple) -> ClosedJaxpr:
+        """The function traced for ``in_avals`` (once), the tracers it closes over taken from its operands."""
+        return self._traced_function(in_avals)[0]
+
+    def _traced_function(self, in_avals: tuple) -> tuple[ClosedJaxpr, Any]:
+        """The function traced for ``in_avals`` and JAX's configuration (once), and forward's output layout."""
+        key = (in_avals, _jax_internals.trace_configuration())
+        found = self._traced.get(key)
+        if found is None:
+            layouts: list = []
+
+            def function(*operands: Any) -> list:
+                packed = self.runner.primal(*operands[self.n_closed:])
+                layouts.append(packed.layout)
+                return list(packed.arrays)
+
+            jaxpr = jax.make_jaxpr(function)(*in_avals)
+            if self.n_closed:
+                jaxpr = _closure_converted(jaxpr, self.spec.closure_values, in_avals)
+            found = self._traced[key] = (jaxpr, layouts[0])
+            self._note_layout((), in_avals, layouts[0])
+        return found
 
     def jit(self) -> tuple[Callable, Callable]:
         """New ``jax.jit``s of the program (one pair per cache entry): for calls on tracers, and on arrays.
@@ -120,52 +174,74 @@ class Program:
         body = _named(self._jit_body, self.spec.name)
         return jax.jit(body), jax.jit(body, inline=_jax_internals.INLINE_INTO_CALLER)
 
-    def _jit_body(self, *arrays: Any) -> Any:
-        packed = self.differentiable(*arrays)
+    def reverse_jit(self) -> Callable:
+        """A new ``jax.jit`` of the program for eager reverse mode where JAX differentiates a jit by its JVP
+        (before JAX 0.7): its call knows (``_call.call``'s ``reverse_jit``)."""
+        return jax.jit(_named(self._reverse_jit_body, self.spec.name))
+
+    def _reverse_jit_body(self, *arrays: Any) -> Any:
+        return self._jit_body(*arrays, reverse_jit=True)
+
+    def _jit_body(self, *arrays: Any, reverse_jit: bool = False) -> Any:
+        packed = self.differentiable(*arrays, reverse_jit=reverse_jit)
         # jit can return static leaves only inside a pytree's static data.
         return packed if packed.layout.static else packed.unpack()
 
-    # -- the custom_jvp's rule ---------------------------------------------
+    # -- the call's JVP rule ----------------------------------------------
 
-    def rule(self, primals: tuple, tangents: tuple) -> tuple[Packed, Packed]:
-        """forward's outputs, and their tangent through ``linear_call`` (``tangents``: ``SymbolicZero`` where none)."""
+    def rule(self, primals: Sequence[Any], tangents: Sequence[Any], differentiation: str) -> tuple[list, list]:
+        """forward's outputs, and their tangent through ``linear_call`` (``tangents``: ``ad.Zero`` where none).
+
+        ``differentiation``: ``"jvp"``, ``"linearize"`` or ``"vjp"`` (which runs the rule).
+        """
         spec = self.spec
         self._check_differentiable()
-        if spec.jvp is None and _jax_internals.differentiation("custom_jvp rule") != "vjp":
+        if any(type(t) is not ad.Zero for t in tangents[:self.n_closed]):
+            raise closed_over_differentiated(spec, "closes over it")
+        primals_in, primals, tangents = primals, primals[self.n_closed:], tangents[self.n_closed:]
+        if spec.jvp is None and differentiation == "linearize":
+            # Elsewhere (jax.jvp; a jax.checkpoint's JVP, whatever differentiates it) the tangent raises
+            # where it is evaluated (``_NoForwardMode``).
             raise no_forward_mode(spec)
         arrays = as_arrays(primals)
-        perturbed = [type(t) is not SymbolicZero for t in tangents]
-        tangents = tuple(t if type(t) is SymbolicZero else as_arrays((t,))[0] for t in tangents)
+        perturbed = [type(t) is not ad.Zero and is_differentiable_dtype(x.dtype)
+                     for t, x in zip(tangents, arrays, strict=True)]
+        tangents = tuple(t if type(t) is ad.Zero else as_arrays((t,))[0] for t in tangents)
         with _jax_internals.on_primal_trace(arrays):
             packed, residuals, own = self._forward(arrays, perturbed)
-        computed = self._tangents(own, arrays, packed, residuals, tangents)
-        tangents_out = tuple(
-            computed[j] if j in computed else _jax_internals.symbolic_zero_like(a) for j, a in enumerate(packed.arrays)
-        )
-        return packed, Packed(tangents_out, packed.layout)
+        self._seen(primals_in, packed)
+        computed = self._tangents(own, arrays, packed, residuals, tangents, differentiation)
+        tangents_out = [
+            computed[j] if j in computed else ad.Zero(_jax_internals.tangent_aval(a))
+            for j, a in enumerate(packed.arrays)
+        ]
+        return list(packed.arrays), tangents_out
 
-    def linearize(self, trace: Any, leaves: tuple) -> Packed:
-        """Reverse mode's linearization of the ``custom_jvp`` (``trace``: the trace that linearizes the call).
+    def linearize(self, primals: Sequence[Any], nonzeros: Sequence[bool]) -> tuple:
+        """Reverse mode's linearization of the call (``_call._linearize``): what ``rule`` does, split.
 
-        What JAX makes of ``rule`` there (forward on the primals' trace, the
-        ``linear_call`` on the tangents'), made directly. From JAX 0.7
-        (``LinearizeTrace``) JAX would trace the rule under partial
-        evaluation and evaluate its linear part again; before (a ``JVPTrace``
-        over partial evaluation) it would run the rule, and every operation
-        of forward, through partial evaluation, after checking its outputs.
+        Forward runs now, on the primals' trace; the tangent's
+        ``linear_call`` is bound by the returned function, on the tangents'.
         """
+        spec = self.spec
         self._check_differentiable()
-        primal_trace, tangent_trace, primals, tangents = _jax_internals.linearize_inputs(trace, leaves)
-        with _jax_internals.on_trace(primal_trace):
-            arrays = as_arrays(primals)
-            # JAX passes an integer input's tangent (float0) to the rule as a symbolic zero.
-            perturbed = [t is not None and is_differentiable_dtype(x.dtype)
-                         for t, x in zip(tangents, arrays, strict=True)]
-            packed, residuals, own = self._forward(arrays, perturbed)
-        with _jax_internals.on_trace(tangent_trace):
-            computed = self._tangents(own, arrays, packed, residuals, tangents, linearizing=True)
-        outputs = [_jax_internals.linearized_output(trace, a, computed.get(j)) for j, a in enumerate(packed.arrays)]
-        return Packed(tuple(outputs), packed.layout)
+        if any(nonzeros[:self.n_closed]):
+            raise closed_over_differentiated(spec, "closes over it")
+        arrays = as_arrays(primals[self.n_closed:])
+        # JAX passes an integer input's tangent (float0) as a zero.
+        perturbed = [nz and is_differentiable_dtype(x.dtype)
+                     for nz, x in zip(nonzeros[self.n_closed:], arrays, strict=True)]
+        packed, residuals, own = self._forward(arrays, perturbed)
+        self._seen(primals, packed)
+        moving = set(own.outputs) if own.linear else set()
+        nonzeros_out = [j in moving for j in range(len(packed.arrays))]
+
+        def linearized(state: Any, tangents: Sequence[Any]) -> list:
+            computed = self._tangents(own, arrays, packed, residuals, tangents[self.n_closed:], "vjp")
+            return [computed[j] if j in moving else ad.Zero(_jax_internals.tangent_aval(a))
+                    for j, a in enumerate(packed.arrays)]
+
+        return list(packed.arrays), nonzeros_out, None, linearized
 
     def _check_differentiable(self) -> None:
         if self.spec.backward is None and self.spec.jvp is None:
@@ -185,15 +261,13 @@ class Program:
 
     @staticmethod
     def _tangents(own: OwnDerivative, arrays: tuple, packed: Packed, residuals: Residuals, tangents: Sequence[Any],
-                  linearizing: bool = False) -> dict:
+                  differentiation: str) -> dict:
         """Output position -> its tangent, for the differentiable outputs, when any input moves."""
         if not (own.linear and own.outputs):
             return {}
         # The primal outputs' own types: inside shard_map, a tangent varies where its output does.
         out_types = [_jax_internals.tangent_aval(packed.arrays[j]) for j in own.outputs]
-        of = [arrays[d] for d in own.linear] + [packed.arrays[j] for j in own.outputs]  # the primals of both
-        tangents_of = own.tangents(residuals.arrays, [tangents[d] for d in own.linear], out_types, of,
-                                   linearizing=linearizing)
+        tangents_of = own.tangents(residuals.arrays, [tangents[d] for d in own.linear], out_types, differentiation)
         return dict(zip(own.outputs, tangents_of, strict=True))
 
     # -- the tie's derivative ----------------------------------------------
@@ -209,11 +283,12 @@ class Program:
         return Packed(outputs, packed.layout), Residuals(res, residuals.meta)
 
     def tie_tangents(self, tie: Any, inputs: list, residuals: list, moving: list, tangents: list,
-                     out_types: list, outputs: list) -> list:
-        """The tangents of a tie's ``outputs``: the Function's own derivative along the ``moving`` inputs.
+                     out_types: list, differentiation: str) -> list:
+        """The tangents of a tie's outputs: the Function's own derivative along the ``moving`` inputs.
 
         ``tie`` (a ``_tie._Tie``) carries the forward run's residual metadata
         and output layout; ``residuals`` are that run's residuals, tied again.
+        ``differentiation``: which runs the tie's rule.
         """
         meta, runner = tie.meta, self.runner
         perturbed = [d in moving for d in range(len(inputs))]
@@ -227,7 +302,11 @@ class Program:
             meta, residuals = again.meta, list(again.arrays)
         in_avals = [(tuple(x.shape), x.dtype) for x in inputs]
         own = OwnDerivative(self, meta, tie.out_layout, in_avals, moving)
-        return own.tangents(residuals, tangents, out_types, [inputs[d] for d in moving] + list(outputs))
+        return own.tangents(residuals, tangents, out_types, differentiation)
+
+
+# JAX's caches keyed by equation parameters (a call's) must not keep a program alive after vjpkit dropped it.
+_jax_internals.hold_weakly_in_caches(Program)
 
 
 class OwnDerivative:
@@ -255,17 +334,14 @@ class OwnDerivative:
         self.first_order = first_order
 
     def tangents(self, residuals: Sequence[Any], linear_tangents: Sequence[Any], out_types: Sequence[Any],
-                 primals: Sequence[Any], linearizing: bool = False) -> list:
+                 differentiation: str) -> list:
         """One tangent per differentiable output (of types ``out_types``), as a ``linear_call``.
 
         Evaluating it runs ``jvp`` (or, without one, ``backward`` transposed
         by JAX); transposing it runs ``backward`` (or, without one, ``jvp``
-        transposed by JAX). ``primals``: the primal of each linear input,
-        then of each differentiable output; under ``jax.vmap`` the call
-        carries the outputs' batch axes (see ``linear_call``).
-        ``linearizing``: bound on reverse mode's tangent trace
-        (``Program.linearize``), to be transposed, with no primals (partial
-        evaluation would drop them).
+        transposed by JAX). ``differentiation`` (which runs the rule that
+        binds it): reverse mode records the call to transpose it,
+        ``jax.linearize`` splits off its work on the residuals.
         """
         spec = self.spec
         apply: Any
@@ -283,7 +359,6 @@ class OwnDerivative:
             if transpose is not None:
                 transpose = _ClosureConverted(transpose, len(residuals), spec.closure_values)
             residuals += spec.closure_values
-            primals = ()  # the rules' tangents vary wherever those tracers do, whatever the primals' batch axes
         return linear_call(
             residuals,
             list(linear_tangents),
@@ -291,8 +366,7 @@ class OwnDerivative:
             transpose=transpose,
             out_avals=out_types,
             name=self.name,
-            primals=primals if not linearizing and _jax_internals.vmap_batches_here() else (),
-            recorded=linearizing,
+            differentiation=differentiation,
         )
 
     # -- the two rules of the linear_call ---------------------------------
@@ -386,6 +460,36 @@ class _NoForwardMode:
 
     def forward_mode_error(self) -> TypeError:
         return no_forward_mode(self.own.spec)
+
+
+def closed_over_differentiated(spec: Spec, how: str) -> TypeError:
+    """The error for differentiating a value that the class's methods hold but that is no argument of ``apply``."""
+    # JAX raises CustomVJPException or UnexpectedTracerError, naming neither the class nor the value's way in.
+    return TypeError(
+        f"{spec.name}.forward uses a value that JAX is differentiating but that is not an argument of "
+        f"{spec.name}.apply: {spec.name} {how} (a function argument closing over parameters, "
+        f"{spec.name}.apply(lambda x: f(x, w), x) under jax.grad with respect to w, or a class defined "
+        f"inside the differentiated function using its variables). {spec.name}'s derivative covers "
+        f"apply's arguments only, so pass the value as an argument of its own ({spec.name}.apply(f, x, w), "
+        f"with f taking it) and return its gradient from {spec.name}.backward (its tangent from jvp). "
+        f"{see_catalogue('closure-over-a-differentiated-value')}"
+    )
+
+
+def _closure_converted(jaxpr: ClosedJaxpr, closed_over: tuple, in_avals: tuple) -> ClosedJaxpr:
+    """``jaxpr`` (of operands whose first are ``closed_over``) with those tracers, its constants, read from them.
+
+    Why: the call's function closes over tracers of an enclosing
+    transformation, which its lowering (after that trace) cannot hold; as
+    operands they also batch and differentiate with the call.
+    """
+    at = {id(t): k for k, t in enumerate(closed_over)}
+
+    def converted(*operands: Any) -> list:
+        consts = [operands[at[id(c)]] if id(c) in at else c for c in jaxpr.consts]
+        return jaxpr_as_fun(ClosedJaxpr(jaxpr.jaxpr, consts))(*operands)
+
+    return jax.make_jaxpr(converted)(*in_avals)
 
 
 def no_forward_mode(spec: Spec) -> TypeError:

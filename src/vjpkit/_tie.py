@@ -14,7 +14,7 @@ own backward; so does vjpkit, with a *tie*::
 
     tie(inputs, residuals, outputs) = outputs
 
-a ``custom_jvp`` whose rule ignores the outputs' tangents (forward's code)
+a primitive whose JVP rule ignores the outputs' tangents (forward's code)
 and returns the Function's own derivative instead: one
 ``linear_call`` of the input tangents, applying the user's ``jvp`` (or
 ``backward`` transposed) and transposing to the user's ``backward``. The
@@ -51,7 +51,7 @@ class Owner(Protocol):
     spec: Any  # the Function's Spec: its name names the tie in jaxprs
 
     def tie_tangents(self, tie: Any, inputs: list, residuals: list, moving: list, tangents: list,
-                     out_types: list, outputs: list) -> list: ...
+                     out_types: list, differentiation: str) -> list: ...
 
 
 def tie_outputs(owner: Owner, meta: Any, out_layout: Any, arrays: tuple, outputs: tuple,
@@ -142,10 +142,11 @@ class _Tie:
                 res[k] = by_position[j] if j in by_position else _constant(res[k])
         return tied, res
 
-    def rule(self, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
+    def rule(self, primals: Sequence[Any], tangents: Sequence[Any], differentiation: str) -> tuple[list, list]:
         """The tie's JVP: outputs tied again, and their tangents by the Function's own derivative.
 
-        ``tangents`` has one per operand, ``ad.Zero`` where JAX knows it is zero.
+        ``tangents`` has one per operand, ``ad.Zero`` where JAX knows it is zero;
+        ``differentiation``: which runs the rule.
         """
         # Evaluated eagerly (jax.remat outside jit), a Python scalar operand arrives as JAX's weakly typed float.
         primals = as_arrays(primals)
@@ -162,18 +163,20 @@ class _Tie:
         outputs, res = self(primals)
         out_types = [_jax_internals.tangent_aval(y) for y in outputs]
         moving_tangents = [tangents[self.inputs_at[d]] for d in moving]
-        return outputs, self.program.tie_tangents(self, inputs, res, moving, moving_tangents, out_types, outputs)
+        return outputs, self.program.tie_tangents(self, inputs, res, moving, moving_tangents, out_types,
+                                                  differentiation)
 
     def __repr__(self) -> str:
         return self.program.spec.name
 
 
-def _rule_along(tie: Any, primals: list, moving: list, moving_tangents: list) -> tuple[list, list]:
+def _rule_along(tie: Any, primals: list, moving: list, moving_tangents: list,
+                differentiation: str) -> tuple[list, list]:
     """The tie's JVP with the tangents of the ``moving`` operands (every other one zero), all tangents instantiated."""
     full: list = [ad.Zero(_jax_internals.tangent_aval(p)) for p in primals]
     for at, t in zip(moving, moving_tangents, strict=True):
         full[at] = t
-    outputs, out_tangents = tie.rule(primals, full)
+    outputs, out_tangents = tie.rule(primals, full, differentiation)
     return list(outputs), [ad.instantiate_zeros(t) for t in out_tangents]
 
 
@@ -197,13 +200,13 @@ class _BatchedTie:
         self.outputs_at = inner.outputs_at
         self.out_dims = [dims[at] for at in inner.outputs_at]
 
-    def rule(self, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
+    def rule(self, primals: Sequence[Any], tangents: Sequence[Any], differentiation: str) -> tuple[list, list]:
         moving = [
             at for at, t in enumerate(tangents) if type(t) is not ad.Zero and is_differentiable_dtype(t.dtype)
         ]
 
         def unbatched(primals: list, moving_tangents: list) -> tuple[list, list]:
-            return _rule_along(self.inner, primals, moving, moving_tangents)
+            return _rule_along(self.inner, primals, moving, moving_tangents, differentiation)
 
         in_axes = (list(self.dims), [self.dims[at] for at in moving])
         # An output left unbatched has a derivative that does not vary along the batch (``_tie_batch``).
@@ -216,8 +219,8 @@ class _BatchedTie:
 
 
 # The tie as a primitive: one equation per forward run, which lowers to
-# nothing (its outputs are some of its operands). A custom_jvp would trace a
-# nested jaxpr per call and lower it as a function of its own.
+# nothing (its outputs are some of its operands). A jax.custom_jvp would
+# trace a nested jaxpr per call and lower it as a function of its own.
 _tie_p = Primitive("vjpkit_tie")
 _tie_p.multiple_results = True
 
@@ -235,7 +238,7 @@ def _tie_lowering(ctx: Any, *args: Any, tie: Any) -> list:
 
 
 def _tie_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, tie: Any) -> tuple[list, list]:
-    return tie.rule(primals, tangents)
+    return tie.rule(primals, tangents, _jax_internals.differentiation_running_rule())
 
 
 def _tie_transpose(cts: Sequence[Any], *args: Any, tie: Any) -> list:
@@ -259,16 +262,12 @@ def _tie_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, tie:
     if _jax_internals.differentiating_here():
         # Its derivative is taken now, and may vary along the batch even where its value does not.
         moving = set(tie.outputs_at)
-    elif not reading_batching.active and (
-        _jax_internals.PARAMETERS_HELD_WEAKLY or _jax_internals.custom_jvp_rule_batching() != "after its function"
-    ):
-        # Its derivative may be taken later (reverse mode records the tie first, and a second derivative
-        # differentiates the record): an output is batched where its value or its derivative varies along the batch.
-        # Before JAX 0.7 a staged call's function is not tied (``Program._primal``): a vmap that batched it first
-        # fixed its outputs' axes by their values, which its rule then keeps (``_linear_call`` raises where the
-        # derivative needs more).
+    elif not reading_batching.active:
+        # Its derivative may be taken later (reverse mode records the tie first, a second derivative
+        # differentiates the record, and a vmap of the call reads it, ``_call.Batched``): an output is batched
+        # where its value or its derivative varies along the batch.
         moving = _derivative_batched(tie, args, dims, axis_data)
-    else:  # a tie of a derivative being read (only its tangents count), or before JAX 0.7 a rule after its function
+    else:  # a tie of a derivative being read: only its tangents count
         moving = set()
     for at in moving:
         args[at], dims[at] = batching.bdim_at_front(args[at], dims[at], size), 0
@@ -299,7 +298,9 @@ def _derivative_batched(tie: Any, args: Sequence[Any], dims: Sequence[Any], axis
     moving = sorted({at for d, at in enumerate(tie.inputs_at) if is_differentiable_dtype(tie.in_dtypes[d])})
 
     def derivative(primals: list, moving_tangents: list) -> list:
-        return _rule_along(tie, primals, moving, moving_tangents)[1]
+        # Read as reverse mode records it: no rule is traced for its effects, and a backward JAX cannot
+        # transpose (clipped gradients) still tells (``_linear_call._batched_outputs``).
+        return _rule_along(tie, primals, moving, moving_tangents, "vjp")[1]
 
     reading_batching.active = True
     try:
@@ -319,6 +320,7 @@ mlir.register_lowering(_tie_p, _tie_lowering)
 ad.primitive_jvps[_tie_p] = _tie_jvp
 ad.primitive_transposes[_tie_p] = _tie_transpose
 batching.fancy_primitive_batchers[_tie_p] = _tie_batch
+_jax_internals.tell_jvp_rule_which_differentiation(_tie_p)
 # JAX's caches keyed by equation parameters must not keep a tie (and its
 # program) alive after the jaxprs holding it are gone.
 _jax_internals.hold_weakly_in_caches(_Tie)

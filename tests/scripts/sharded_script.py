@@ -9,6 +9,7 @@ Prints one JSON object: for each case, null when the sharded result matched
 the single-device one, otherwise the error text.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -33,9 +34,7 @@ if REPLICATION_CHECKED:
     shard_map = jax.shard_map
 else:
     # JAX before 0.6: jax.experimental.shard_map, whose replication check has
-    # no rule for a custom_vjp with symbolic zeros (vjpkit's), so it is off.
-    import functools  # noqa: E402
-
+    # no rule for the primitives a Function's derivative binds, so it is off.
     from jax.experimental.shard_map import shard_map as _experimental_shard_map  # noqa: E402
 
     shard_map = functools.partial(_experimental_shard_map, check_rep=False)
@@ -112,6 +111,19 @@ def main():
         f = shard_map(model, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
         close(jax.jit(f)(ps, xs), single_out)
 
+    def shard_map_forward_with_replication_checked():
+        # Not differentiated, a Function passes shard_map's check of replication (JAX before 0.6: check_rep) or
+        # of varying types (0.6 on: check_vma), eagerly and under jit.
+        if REPLICATION_CHECKED:
+            checked = functools.partial(jax.shard_map, check_vma=True)
+        else:
+            from jax.experimental.shard_map import shard_map as experimental_shard_map
+
+            checked = functools.partial(experimental_shard_map, check_rep=True)
+        f = checked(model, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+        close(f(ps, xs), single_out)
+        close(jax.jit(f)(ps, xs), single_out)
+
     def shard_map_grad():
         def local_loss(params, x, y):
             # Each device holds 2 of the 16 rows: sum, then mean over all.
@@ -171,6 +183,7 @@ def main():
         sharded_eager_apply,
         per_example_grads_sharded,
         shard_map_forward,
+        shard_map_forward_with_replication_checked,
         shard_map_grad,
         grad_of_shard_map,
         shard_map_grad_of_sharded_input,

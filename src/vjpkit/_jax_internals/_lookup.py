@@ -39,19 +39,17 @@ def _require_module(path: str) -> Any:
         raise _missing(f"the module {path}") from None
 
 
-# Public in every supported JAX: the primitive machinery _linear_call.py and
-# _tie.py build on, checked here so that their loss is reported as the others'.
+# Public in every supported JAX: the primitive machinery _call.py, _linear_call.py
+# and _tie.py build on, checked here so that their loss is reported as the others'.
 ad = _require_module("jax.interpreters.ad")
 batching = _require_module("jax.interpreters.batching")
 mlir = _require_module("jax.interpreters.mlir")
-partial_eval = _require_module("jax.interpreters.partial_eval")
 Primitive = _require(_require_module("jax.extend.core"), "Primitive", "jax.extend.core")
 for _module, _where, _names in (
     (ad, "jax.interpreters.ad", ("Zero", "instantiate_zeros", "is_undefined_primal", "primitive_jvps",
                                  "primitive_transposes")),
     (batching, "jax.interpreters.batching", ("fancy_primitive_batchers", "bdim_at_front")),
     (mlir, "jax.interpreters.mlir", ("register_lowering", "lower_fun")),
-    (partial_eval, "jax.interpreters.partial_eval", ("custom_partial_eval_rules",)),
     (jax.core, "jax.core", ("ShapedArray",)),
 ):
     for _name in _names:

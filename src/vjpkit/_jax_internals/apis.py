@@ -4,14 +4,15 @@ device buffers), and JAX's error messages that vjpkit explains."""
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 
 from ._lookup import _core
-from .values import HAS_VARYING_TYPES, cast_to_varying, varying_axes
+from .values import HAS_VARYING_TYPES, cast_to_varying, typeof, varying_axes
 
 # ---------------------------------------------------------------------------
 # sharding: Explicit mesh axes and shard_map's varying types (``_sharding.py``).
@@ -135,3 +136,41 @@ def closed_over_tracer_type(e: BaseException) -> str | None:
     match = _NO_CONSTANT_HANDLER.match(str(e)) if isinstance(e, TypeError) else None
     return None if match is None else match.group(1)
 
+
+
+# ---------------------------------------------------------------------------
+# experimental.shard_map before JAX 0.6: its replication check (``check_rep=True``, the default) reads each
+# primitive's rule from a table; a primitive without one fails the check ("No replication rule"). From JAX 0.6
+# ``jax.shard_map`` checks varying types instead, which a primitive's abstract evaluation gives.
+
+
+def check_replication_by_jaxpr(primitive: Any, jaxpr_of: Callable[[dict, Sequence[Any]], Any]) -> None:
+    """Gives ``primitive`` replication rules for ``jax.experimental.shard_map`` before JAX 0.6 (else nothing).
+
+    ``jaxpr_of(params, in_avals)``: the closed jaxpr an equation runs, its
+    ``jaxpr`` parameter. The check reads that jaxpr's; the rewrite (which
+    JAX makes before differentiating the body) rewrites it as a ``jit``'s
+    and binds the primitive with it. Where an equation's parameters hold no
+    jaxpr and its types are unknown (the check), its outputs count as
+    replicated nowhere. Relies on ``shard_map._check_rules``,
+    ``_rewrite_rules``, ``_check_rep`` and ``_replication_rewrite_nomatch``
+    (JAX 0.4.38 to 0.5).
+    """
+    if hasattr(jax, "shard_map"):
+        return
+    experimental = importlib.import_module("jax.experimental.shard_map")
+    names = ("_check_rules", "_rewrite_rules", "_check_rep", "_replication_rewrite_nomatch")
+    if not all(hasattr(experimental, name) for name in names):
+        return
+    check_rep, rewrite_jaxpr = experimental._check_rep, experimental._replication_rewrite_nomatch
+
+    def check(mesh: Any, *in_rep: Any, **params: Any) -> Any:
+        jaxpr = params.get("jaxpr")
+        return set() if jaxpr is None else check_rep(mesh, jaxpr.jaxpr, in_rep)
+
+    def rewrite(mesh: Any, in_rep: Any, *args: Any, **params: Any) -> Any:
+        jaxpr, out_rep = rewrite_jaxpr(mesh, jaxpr_of(params, [typeof(x) for x in args]), in_rep)
+        return primitive.bind(*args, **{**params, "jaxpr": jaxpr}), out_rep
+
+    experimental._check_rules[primitive] = check
+    experimental._rewrite_rules[primitive] = rewrite

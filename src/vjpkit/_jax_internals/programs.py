@@ -141,33 +141,6 @@ def hold_weakly_in_caches(cls: type) -> None:
         weak_types.add(cls)
 
 
-_api_util = _require_module("jax._src.api_util")
-# JAX 0.7 and later compute a function's debug info (its name, source line
-# and argument names, read by error messages) on every call of a custom_vjp,
-# with ``inspect.signature`` and a flattening of the arguments, unless the
-# function carries it precomputed (``save_wrapped_fun_debug_info``); older
-# JAX has neither (and a saved one it did not read would only be an attribute).
-_DEBUG_INFO_CAN_BE_SAVED = hasattr(_api_util, "save_wrapped_fun_debug_info")
-
-
-class _Leaf:
-    """An argument that is one leaf (an array's stand-in)."""
-
-
-def save_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
-    """Gives ``fn`` (always called with ``n_args`` arrays) the debug info JAX would compute on each call."""
-    if _DEBUG_INFO_CAN_BE_SAVED:
-        leaf = _Leaf()
-        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaf,) * n_args, {}))
-
-
-def save_rule_debug_info(fn: Callable, traced_for: str, n_args: int) -> None:
-    """``save_debug_info`` for a ``custom_jvp`` rule, which JAX describes as called with (primals, tangents)."""
-    if _DEBUG_INFO_CAN_BE_SAVED:
-        leaves = (_Leaf(),) * n_args
-        _api_util.save_wrapped_fun_debug_info(fn, _api_util.debug_info(traced_for, fn, (leaves, leaves), {}))
-
-
 # ---------------------------------------------------------------------------
 # config: states.
 

@@ -1,17 +1,15 @@
-"""core, partial_eval and ad: the current trace, which differentiation runs a rule, and reverse mode's
-linearization of a Function; where a trace stands (vmap, eager shard_map)."""
+"""core, partial_eval and ad: the current trace, which differentiation runs a rule, and a primitive's
+linearization rule; where a trace stands (vmap, differentiation)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-import sys
-import types
+import threading
 from typing import Any, Literal, Sequence
 
-import jax as _jax
-
-from ._lookup import _ad, _config, _core, _missing, _pe, _require, _require_module, ad
+from ._lookup import _ad, _core, _pe, _require, _require_module
 
 # ---------------------------------------------------------------------------
 # core and partial_eval: the current trace.
@@ -38,25 +36,60 @@ def _enclosing_trace(kind: Any) -> Any:
     return None
 
 
+_EvalTrace = _require(_core, "EvalTrace", "jax._src.core")
+
+
+def is_evaluating() -> bool:
+    """Whether no transformation is active: JAX evaluates what is bound, on concrete arrays.
+
+    Why: there a call runs the user's forward directly, as JAX runs a
+    ``jax.custom_jvp``'s function (a ``jit = False`` class, op by op).
+    """
+    return type(_trace_ctx.trace) is _EvalTrace
+
+
 def is_staging() -> bool:
     """Whether a staging trace (``jit``, ``scan``, ``checkpoint``, ...) is active.
 
     Why: calling an inner ``jax.jit`` while an outer one traces leaves a
     nested call in the program (extra HLO instructions); under a staging
-    trace vjpkit calls its ``custom_jvp`` directly so it inlines instead.
+    trace vjpkit binds its call directly so it inlines instead.
     """
     return _enclosing_trace(_DynamicJaxprTrace) is not None
 
 
-def on_primal_trace(primals: Sequence[Any]) -> Any:
-    """A context in which a ``custom_jvp`` rule computes on the trace that owns its ``primals``.
+def stages_here() -> bool:
+    """Whether the current trace stages what is bound into a jaxpr (a ``DynamicJaxprTrace``: ``jit``, ``scan``, ...).
 
-    Why: direct linearization (JAX 0.7 on) runs a rule JAX meets
-    (``jax.linearize``; a jaxpr's call) under partial evaluation
-    (``ad.linearize_from_jvp``), which would take every operation of forward,
-    all known, through its rules (each inner ``jax.jit`` partially evaluated).
-    Forward touches only primals, so it runs on their trace, as a
-    ``custom_vjp``'s does. Before JAX 0.7 the primals are that trace's own.
+    Why: the equation of a call staged there carries its function's jaxpr;
+    a transformation above it runs the call's rules instead, which bind
+    again (a call that only reaches a jaxpr that way traces its function
+    when JAX asks for its types).
+    """
+    return type(_trace_ctx.trace) is _DynamicJaxprTrace
+
+
+def linearizes_by_jvp_here() -> bool:
+    """Whether the current trace is a ``JVPTrace`` over partial evaluation: reverse mode (or ``jax.linearize``)
+    before JAX 0.7 (and later JAX with ``jax_use_direct_linearize`` off).
+
+    Why: a ``jax.jit`` called there is differentiated by its JVP, traced
+    before JAX knows that it will be transposed, so a call inside it cannot
+    tell reverse mode from forward mode (it traces ``jvp`` for its
+    effects). A Function binds its call on that trace instead.
+    """
+    trace = _trace_ctx.trace
+    return type(trace) is _JVPTrace and type(trace.parent_trace) is _JaxprTrace
+
+
+def on_primal_trace(primals: Sequence[Any]) -> Any:
+    """A context in which a JVP rule computes on the trace that owns its ``primals``.
+
+    Why: JAX linearizes a JVP rule under partial evaluation (from JAX 0.7
+    ``ad.linearize_from_jvp``; before, a ``JVPTrace`` over it), which would
+    take every operation of forward, all known, through its rules (each
+    inner ``jax.jit`` partially evaluated). Forward touches only primals, so
+    it runs on their trace, as a ``custom_vjp``'s does.
     """
     trace = _trace_ctx.trace
     if type(trace) is _JaxprTrace and not any(isinstance(x, _JaxprTracer) for x in primals):
@@ -67,137 +100,144 @@ def on_primal_trace(primals: Sequence[Any]) -> Any:
 # ---------------------------------------------------------------------------
 # interpreters.ad: which differentiation runs a rule.
 #
-# JAX runs a custom_vjp's forward rule, and a custom_jvp's rule, for forward
-# mode (``JVPTrace``), ``jax.linearize`` and reverse mode alike; only the
-# trace whose method calls the rule says which. No public API tells, so
-# ``differentiation`` reads the callers' frames (and, for ``apply``, the
-# enclosing traces). It is vjpkit's only frame walk, and no other way exists:
-# the rule runs under a partial-evaluation trace (reverse mode and
-# ``jax.linearize``) or the ``JVPTrace``'s parent (``jax.jvp``), and neither
-# links to the differentiating trace, which only the calling frame holds.
+# vjpkit's three primitives (the call, the tie, the tangent's
+# ``linear_call``) learn it where JAX calls their rules, and pass it on to
+# what they bind. A JVP rule runs under a partial-evaluation trace
+# (``JaxprTrace``) exactly when JAX linearizes the primitive (reverse mode,
+# and ``jax.linearize``): before JAX 0.7 from a ``JVPTrace`` over partial
+# evaluation, from 0.7 by JAX's generic linearization
+# (``ad.linearize_from_jvp``). JAX 0.9 on tells ``jax.linearize`` from
+# reverse mode (``is_vjp``) to a primitive's linearization rule only: there
+# each primitive's rule tells its JVP rule, then runs JAX's generic one.
+# One case tells nothing: before JAX 0.7 reverse mode differentiates a
+# ``jax.jit`` by its JVP (``jvp_jaxpr``), traced before it is transposed, so
+# a rule inside it hears ``"jvp"`` (its tangent's rule is then traced for its
+# effects, never run; a rule that cannot be traced says so where it runs).
 
-if hasattr(_config, "use_direct_linearize"):  # every supported JAX (on by default from 0.7)
-    _direct_linearize: Any = _config.use_direct_linearize
-else:  # a JAX that dropped the flag linearizes directly, always
-    _direct_linearize = types.SimpleNamespace(value=True)
 
 _JVPTrace = _require(_ad, "JVPTrace", "jax._src.interpreters.ad")
 _LinearizeTrace = _require(_ad, "LinearizeTrace", "jax._src.interpreters.ad")
 
-
-def _code(owner: Any, name: str, where: str) -> Any:
-    return _require(owner, name, where).__code__
-
-
-_JVP_CUSTOM_JVP = _code(_JVPTrace, "process_custom_jvp_call", "jax._src.interpreters.ad.JVPTrace")
-_JVP_PRIMITIVE = _code(_JVPTrace, "process_primitive", "jax._src.interpreters.ad.JVPTrace")
-_LINEARIZE_CUSTOM_JVP = _code(_LinearizeTrace, "process_custom_jvp_call", "jax._src.interpreters.ad.LinearizeTrace")
-_LINEARIZE_PRIMITIVE = _code(_LinearizeTrace, "process_primitive", "jax._src.interpreters.ad.LinearizeTrace")
-
-# ``LinearizeTrace.is_vjp`` (JAX 0.9 on) tells ``jax.linearize`` from reverse
-# mode; JAX 0.7 and 0.8 cannot tell, and both count as reverse mode.
+# ``LinearizeTrace.is_vjp`` (JAX 0.9 on) tells ``jax.linearize`` from
+# reverse mode; JAX 0.7 and 0.8 cannot tell, and both count as reverse mode.
 LINEARIZE_IS_TOLD_FROM_VJP = "is_vjp" in inspect.signature(_LinearizeTrace).parameters
-# Without direct linearization (before JAX 0.7) ``jax.jvp`` of a jitted
-# function that ``jax.grad`` already differentiated reuses reverse mode's
-# record of the call (made without tracing its jvp, so without its effects).
-JVP_AFTER_GRAD_KEEPS_ORDERED_EFFECTS = bool(_direct_linearize.value)
+
+Differentiation = Literal["jvp", "linearize", "vjp"]
 
 
-def _is_vjp(frame: Any) -> bool:
-    """Whether the ``LinearizeTrace`` running in ``frame`` linearizes for reverse mode (not ``jax.linearize``)."""
-    return getattr(frame.f_locals.get("self"), "is_vjp", True)
+class _Told(threading.local):
+    """What a linearization rule tells the JVP rule it runs next (JAX 0.9 on); None: nothing told."""
+
+    differentiation: str | None = None
 
 
-def _over_partial_eval(frame: Any) -> bool:
-    """Whether the ``JVPTrace`` running in ``frame`` stages its tangents for reverse mode (before JAX 0.7)."""
-    return isinstance(getattr(frame.f_locals.get("self"), "parent_trace", None), _JaxprTrace)
+_told = _Told()
 
 
-def differentiation(caller: Literal["custom_jvp rule", "apply"]) -> str | None:
-    """How JAX is differentiating the call being made: ``"jvp"``, ``"linearize"``, ``"vjp"`` or None.
+def differentiation_running_rule() -> Differentiation:
+    """Which differentiation runs the JVP rule that calls this, first thing: ``"jvp"``, ``"linearize"`` or ``"vjp"``.
 
-    ``caller`` says where the question is asked:
-
-    - ``"custom_jvp rule"``: a primitive bound in a ``custom_jvp`` rule. Why:
-      reverse mode only records vjpkit's ``linear_call`` to transpose it, and
-      must not trace the Function's jvp to learn its effects.
-    - ``"apply"``: a call on tracers. Why: once a jitted program has been
-      differentiated in reverse mode, JAX reuses the forward rule it traced,
-      so only the enclosing ``LinearizeTrace`` says ``jax.linearize``.
-
-    None where none is found. Where ``LinearizeTrace`` cannot tell
-    ``jax.linearize`` from reverse mode (JAX 0.7 and 0.8), it says ``"vjp"``.
+    Why: reverse mode only records the tangent's ``linear_call`` to transpose
+    it (its jvp must not be traced for effects), ``jax.linearize`` splits the
+    work on the residuals off it, and forward mode of a class without jvp
+    fails at once. Where JAX cannot tell ``jax.linearize`` from reverse mode
+    (before 0.9), it says ``"vjp"``.
     """
-    if caller == "apply":
-        trace = _enclosing_trace(_LinearizeTrace)
-        return None if trace is None else "vjp" if getattr(trace, "is_vjp", True) else "linearize"
-    # A primitive bound in a custom_jvp rule.
-    frame: Any = sys._getframe(1)  # the callers, walked by plain loops (this runs on every such bind)
-    if _direct_linearize.value:  # reverse mode and jax.linearize run the rule from a LinearizeTrace method
-        while frame is not None:
-            if frame.f_code is _LINEARIZE_CUSTOM_JVP or frame.f_code is _LINEARIZE_PRIMITIVE:
-                return "vjp" if _is_vjp(frame) else "linearize"
-            frame = frame.f_back
-        return None
-    # Before JAX 0.7 reverse mode runs it from a JVPTrace over partial evaluation.
-    if isinstance(_trace_ctx.trace, _JaxprTrace):
-        return "vjp"
-    while frame is not None:
-        if (frame.f_code is _JVP_CUSTOM_JVP or frame.f_code is _JVP_PRIMITIVE) and _over_partial_eval(frame):
-            return "vjp"
-        frame = frame.f_back
-    return None
+    told = _told.differentiation
+    if told is not None:
+        _told.differentiation = None
+        return told  # type: ignore[return-value]
+    return "vjp" if type(_trace_ctx.trace) is _JaxprTrace else "jvp"
 
 
-# ---------------------------------------------------------------------------
-# interpreters.ad: reverse mode's linearization of a Function, made by vjpkit
-# (``Program.linearize``), as JAX makes a ``custom_vjp``'s: JAX's for a
-# custom_jvp partially evaluates the rule and evaluates its jaxpr again
-# (JAX 0.7 on), or runs the rule and its checks under a ``JVPTrace`` over
-# partial evaluation (before 0.7, where that trace is reverse mode's and
-# ``jax.linearize``'s alike, as ``differentiation`` says).
+def differentiation_of_apply() -> str | None:
+    """``"linearize"`` where ``jax.linearize`` linearizes the call being made (JAX 0.9 on), else None.
 
-_LinearizeTracer = _require(_ad, "LinearizeTracer", "jax._src.interpreters.ad")
-_JVPTracer = _require(_ad, "JVPTracer", "jax._src.interpreters.ad")
-on_trace = _set_current_trace  # a context in which the trace passed is the current one
-
-
-def reverse_linearize_trace() -> Any:
-    """The current trace if it linearizes for reverse mode: a ``LinearizeTrace`` (``is_vjp``: JAX 0.9 on;
-    before, always), or a ``JVPTrace`` over partial evaluation (before JAX 0.7)."""
-    trace = _trace_ctx.trace
-    if type(trace) is _LinearizeTrace:
-        return trace if getattr(trace, "is_vjp", True) else None
-    return trace if type(trace) is _JVPTrace and type(trace.parent_trace) is _JaxprTrace else None
-
-
-def linearize_inputs(trace: Any, values: Sequence[Any]) -> tuple[Any, Any, list, list]:
-    """The traces for primals and for tangents, and the primal and the tangent (None: a known zero) of each value.
-
-    Under a ``JVPTrace`` both are its partial evaluation's trace, unless every
-    primal is known there: they then run on the trace that holds their values.
+    Why: a call on tracers of a class without jvp raises there at once (JAX
+    would otherwise fail only when the linear function runs). Read from the
+    enclosing traces.
     """
-    pairs = [trace.to_primal_tangent_pair(value) for value in values]
-    primals, tangents = [p for p, _ in pairs], [None if type(t) is ad.Zero else t for _, t in pairs]
-    if type(trace) is not _JVPTrace:
-        return trace.parent_trace, trace.tangent_trace, primals, tangents
-    partial = trace.parent_trace
-    if all(type(p) is not _JaxprTracer or (p._trace is partial and p.is_known()) for p in primals):
-        primals = [p.pval.get_known() if type(p) is _JaxprTracer else p for p in primals]
-        return partial.parent_trace, partial, primals, tangents
-    return partial, partial, primals, tangents
+    trace = _enclosing_trace(_LinearizeTrace)
+    return None if trace is None or getattr(trace, "is_vjp", True) else "linearize"
 
 
-def linearized_output(trace: Any, primal: Any, tangent: Any) -> Any:
-    """An output of ``trace`` from its primal and its tangent (None: zero, and the output is the primal)."""
-    if tangent is None:
-        return primal
-    return (_JVPTracer if type(trace) is _JVPTrace else _LinearizeTracer)(trace, primal, tangent)
+# Every supported JAX has them; JAX consults them where it linearizes directly (by default from JAX 0.7).
+_linearizations: Any = getattr(_ad, "primitive_linearizations", None)
+_fallback_linearize: Any = getattr(_ad, "fallback_linearize_rule", None)
+# JAX 0.9 on passes a linearization rule whether it linearizes for reverse mode first.
+_LINEARIZATION_TOLD_IS_VJP = (
+    _fallback_linearize is not None and "_is_vjp" in inspect.signature(_fallback_linearize).parameters
+)
+
+
+# JAX 0.11 on: a linearization rule returns residuals JAX stages itself too, and the linear function takes them.
+_STRUCTURED_RESIDUALS = "structured_residuals" in getattr(_LinearizeTrace, "__annotations__", {})
+
+
+def tell_jvp_rule_which_differentiation(primitive: Any) -> None:
+    """Gives ``primitive`` a linearization rule that tells its JVP rule ``jax.linearize`` from reverse mode.
+
+    JAX 0.9 on (``fallback_linearize_rule`` takes ``_is_vjp``): JAX's generic
+    rule, the JVP rule partially evaluated, told first
+    (``linearize_by_jvp_rule``). Older JAX tells nothing: nothing to register.
+    """
+    if _LINEARIZATION_TOLD_IS_VJP:
+        register_linearization(primitive, functools.partial(linearize_by_jvp_rule, primitive))
+
+
+def register_linearization(primitive: Any, rule: Any) -> bool:
+    """Gives ``primitive`` a linearization rule: JAX then makes its linearized tracers.
+
+    JAX consults it where it linearizes directly (by default from JAX 0.7).
+
+    ``rule(is_vjp, nonzeros, primals, params)`` runs on the primals' trace
+    and returns ``(primals_out, nonzeros_out, residuals, linearized)``;
+    ``linearized(residuals, tangents)`` runs on the tangents' trace, and
+    returns one tangent per output (``ad.Zero`` where ``nonzeros_out`` is
+    False). JAX before 0.9 does not say whether reverse mode linearizes
+    (``is_vjp`` is then True); JAX 0.11 adds structured residuals (none
+    here). Returns False where a JAX has no such rules.
+    """
+    if _linearizations is None or _fallback_linearize is None:
+        return False
+
+    def linearize(*args: Any, **params: Any) -> Any:
+        if _LINEARIZATION_TOLD_IS_VJP:
+            is_vjp, nonzeros, primals = args[0], args[1], args[2:]
+        else:
+            is_vjp, nonzeros, primals = True, args[0], args[1:]
+        outs, nonzeros_out, residuals, linearized = rule(is_vjp, nonzeros, primals, params)
+        if _STRUCTURED_RESIDUALS:
+            return outs, nonzeros_out, residuals, None, lambda res, _structured, *ts: linearized(res, ts)
+        return outs, nonzeros_out, residuals, lambda res, *ts: linearized(res, ts)
+
+    _linearizations[primitive] = linearize
+    return True
+
+
+def linearize_by_jvp_rule(primitive: Any, is_vjp: bool, nonzeros: Any, primals: Any, params: dict) -> Any:
+    """JAX's generic linearization of ``primitive`` (its JVP rule under partial evaluation), told ``is_vjp``.
+
+    For a linearization rule (``register_linearization``) that leaves a case
+    to JAX; returns what that rule returns.
+    """
+    before = _told.differentiation
+    _told.differentiation = "vjp" if is_vjp else "linearize"
+    try:
+        args = (is_vjp, nonzeros, *primals) if _LINEARIZATION_TOLD_IS_VJP else (nonzeros, *primals)
+        result = _fallback_linearize(primitive, *args, **params)
+    finally:
+        _told.differentiation = before
+    if _STRUCTURED_RESIDUALS:
+        outs, nonzeros_out, residuals, _structured, linearized = result
+        return outs, nonzeros_out, residuals, lambda res, ts: linearized(res, None, *ts)
+    outs, nonzeros_out, residuals, linearized = result
+    return outs, nonzeros_out, residuals, lambda res, ts: linearized(res, *ts)
 
 
 # ---------------------------------------------------------------------------
 # Where a trace stands: whether a batching rule's bind is differentiated on the spot, and
-# whether a vmap is active (_tie.py, _dispatch.py, _program.py); debug info for a custom_jvp's rule.
+# whether a vmap is active (_tie.py, _call.py, _dispatch.py).
 
 
 def differentiating_here() -> bool:
@@ -218,98 +258,8 @@ _BatchTrace = _require(_batching_internal, "BatchTrace", "jax._src.interpreters.
 def is_batching() -> bool:
     """Whether a ``jax.vmap`` (``BatchTrace``) is among the active traces.
 
-    Why: under vmap ``apply`` calls its ``custom_jvp`` directly, which JAX
-    batches as a plain one, and a tangent's ``linear_call`` carries its
-    primals' batch axes (``_program.py``). Every supported JAX chains traces
-    through ``parent_trace``.
+    Why: under vmap ``apply`` binds its call directly (no jit of its own),
+    which the call's batching rule batches. Every supported JAX chains
+    traces through ``parent_trace``.
     """
     return _enclosing_trace(_BatchTrace) is not None
-
-
-def _code_in(wrapper: Any, name: str, where: str) -> Any:
-    """The code of function ``name``, which JAX wraps (a ``functools.partial`` of it, in every supported JAX)."""
-    for candidate in (wrapper, *getattr(wrapper, "args", ())):
-        code = getattr(candidate, "__code__", None)
-        if code is not None and code.co_name == name:
-            return code
-    raise _missing(f"{where}.{name}")
-
-
-_BATCH_CUSTOM_JVP = _code_in(
-    _require(_batching_internal, "batch_custom_jvp_subtrace", "jax._src.interpreters.batching"),
-    "batch_custom_jvp_subtrace", "jax._src.interpreters.batching",
-)
-
-
-def vmap_batches_here() -> bool:
-    """Whether a ``jax.vmap`` batches what is bound now: under an active vmap, or traced for one to batch.
-
-    Why: a tangent's ``linear_call`` must then carry its outputs' batch
-    axes (``_linear_call.py``). The second case: a ``custom_jvp`` called in a
-    jaxpr (``jit``, ``scan``, ``cond``, ``checkpoint`` inside the vmap),
-    differentiated later, has its rule traced to a jaxpr of its own and
-    evaluated under the vmap, by ``batching.batch_custom_jvp_subtrace``
-    (every supported JAX), found among the callers' frames.
-    """
-    if is_batching():
-        return True
-    frame = sys._getframe(1) if is_staging() else None
-    while frame is not None and frame.f_code is not _BATCH_CUSTOM_JVP:
-        frame = frame.f_back
-    return frame is not None
-
-
-_BATCH_CUSTOM_JVP_CALL = _code(_BatchTrace, "process_custom_jvp_call", "jax._src.interpreters.batching.BatchTrace")
-
-
-def custom_jvp_rule_batching() -> Literal["with its function", "after its function"] | None:
-    """How a vmap batches the ``custom_jvp`` rule running now: None where it batches none.
-
-    ``"with its function"``: the vmap processes the call, batching function
-    and rule together, so that an output is batched where its value or its
-    tangent is (``BatchTrace.process_custom_jvp_call``, around
-    ``batching.batch_custom_jvp_subtrace``). ``"after its function"``: a vmap
-    that batched the call inside a jaxpr (``jit``, ``checkpoint``, ``scan``,
-    ``cond`` inside the vmap, or a vmap inside a ``jit`` differentiated from
-    outside it) fixed the batch axes of its outputs by the function alone,
-    and batches the rule only now that a differentiation runs it; JAX then
-    broadcasts an output whose tangent is batched against the axes it fixed
-    (a wrong derivative, or an error inside JAX). None: no vmap batches a
-    ``custom_jvp`` rule (it runs inside the vmap, on batched values). Found
-    among the callers' frames, by the code of those two functions (every
-    supported JAX).
-    """
-    frame: Any = sys._getframe(1)
-    while frame is not None and frame.f_code is not _BATCH_CUSTOM_JVP:
-        frame = frame.f_back
-    if frame is None:
-        return None
-    while frame is not None and frame.f_code is not _BATCH_CUSTOM_JVP_CALL:
-        frame = frame.f_back
-    return "after its function" if frame is None else "with its function"
-
-
-# The eager trace of ``jax.experimental.shard_map`` (a shard_map called outside jit) runs a custom_jvp's function
-# and drops its rule: it is the bottom trace, and no differentiation below it can need the rule. Before JAX 0.6 it
-# first refuses a custom_jvp with symbolic zeros (every Function is one); JAX 0.6's jax.shard_map (whose trace
-# jax.experimental.shard_map shares from then on) drops the rule either way: told by that public name.
-_SHARD_MAP_REFUSES_SYMBOLIC_ZEROS = not hasattr(_jax, "shard_map")
-
-
-def reaches_eager_shard_map_refusing_symbolic_zeros() -> bool:
-    """Whether a ``custom_jvp`` bound now reaches, through vmaps only, an eager shard_map that refuses symbolic zeros.
-
-    Why: there JAX runs the function and drops the rule, so a Function
-    calls its primal directly, as later JAX does for it. JAX 0.4.38 to 0.5,
-    in a program that imported ``jax.experimental.shard_map`` (one that
-    never did has no such trace).
-    """
-    if not _SHARD_MAP_REFUSES_SYMBOLIC_ZEROS:
-        return False
-    trace_type = getattr(sys.modules.get("jax.experimental.shard_map"), "ShardMapTrace", None)
-    if trace_type is None:
-        return False
-    trace = _trace_ctx.trace
-    while isinstance(trace, _BatchTrace):
-        trace = trace.parent_trace
-    return isinstance(trace, trace_type)
