@@ -161,6 +161,38 @@ def test_forward_mode_calls_jvp_and_reverse_mode_backward_never_the_other(run, r
 # ctx in jvp.
 
 
+class ZeroJvpStraightThrough(vjpkit.Function):
+    """``x * w`` whose rules differ on purpose: backward passes the gradient straight through, jvp gives zeros."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, jnp.sum(g)
+
+    @staticmethod
+    def jvp(ctx, tx, tw):
+        return jnp.zeros_like(tx)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one", "vmap"])
+def test_linearize_runs_jvp_when_the_rules_differ(batched):
+    # Before JAX 0.9 jax.linearize shares reverse mode's record of the call; evaluated, the record runs jvp,
+    # under a vmap too, as the loop over the examples does (it ran backward transposed there: 2s, not 0s).
+    x, w, t = jnp.arange(6.0).reshape(3, 2), jnp.float32(2.0), jnp.ones((3, 2))
+
+    def linearized(x, t):
+        _, f_jvp = jax.linearize(ZeroJvpStraightThrough.apply, x, w)
+        return f_jvp(t, jnp.float32(1.0))
+
+    loop = jnp.stack([linearized(x[i], t[i]) for i in range(3)])
+    chex.assert_trees_all_close(loop, jnp.zeros((3, 2)))
+    got = jax.vmap(linearized)(x, t) if batched else linearized(x, t)
+    chex.assert_trees_all_close(got, loop if batched else jnp.zeros((3, 2)))
+
+
 def test_saved_tensors_in_jvp_are_what_save_for_forward_saved():
     # backward's saved value is 10 x: a jvp that saw it would give 10x the tangent.
     class Both(vjpkit.Function):

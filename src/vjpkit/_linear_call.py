@@ -376,7 +376,7 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
     out_axes = tuple(0 if b else None for b in batched)
 
     def batched_apply(r: tuple, xs: tuple) -> list:
-        if batched_jaxpr is not None:  # the rule batched for the outputs' axes (apply; a record's rows): run once
+        if batched_jaxpr is not None:  # the rule batched for the outputs' axes (apply, where it was traced): run once
             return jaxpr_as_fun(batched_jaxpr)(*r, *xs)
         return jax.vmap(lambda r_, xs_: list(apply(r_, xs_)), in_axes=(res_axes, lin_axes), out_axes=list(out_axes),
                         axis_size=size, **axis_names)(r, tuple(xs))
@@ -443,8 +443,7 @@ def _batched_outputs(apply: Callable, transpose: Callable | None, recorded: bool
     rule; a rule that cannot be traced at all says nothing (its error comes
     where it runs). Also returns what the batched call runs, as a jaxpr of
     the batched residuals and linear inputs: ``apply`` batched where it was
-    traced, the transposed ``backward`` batched where reverse mode recorded
-    the call (else None).
+    traced (else None: ``apply`` under ``jax.vmap`` where it runs).
     """
     size, in_batched = axis_data.size, [a is not None for a in in_axes]
     avals = [
@@ -462,11 +461,10 @@ def _batched_outputs(apply: Callable, transpose: Callable | None, recorded: bool
     rows = _rows_of(transpose, *_split(avals, len(res)), out_avals)
     if rows is None or rows is _UNTRACEABLE:
         return [rows is None] * len(out_avals), None
-    # The recorded call runs as those rows where it runs after all (a forward-mode derivative of the
-    # record evaluates it, ``_linear_call_jvp``): apply, the user's jvp, could batch an output the rows
-    # do not (a zero tangent times a batched residual), against the axes given here.
-    batched_rows, batched = _jax_internals.batch_example(rows, axis_data, in_batched)
-    return batched, batched_rows
+    # Where the recorded call is evaluated after all (``jax.linearize`` before JAX 0.9 shares reverse
+    # mode's record; a forward-mode derivative of a record), it runs apply, the user's jvp, as unbatched
+    # (never the rows: a class's jvp and backward may be different rules), per example against these axes.
+    return _jax_internals.batch_example(rows, axis_data, in_batched)[1], None
 
 
 _UNTRACEABLE = object()
