@@ -537,3 +537,37 @@ def test_forward_over_reverse_of_a_staged_vmapped_call_batches_its_record_as_bac
     by_hand = jnp.diag((-9.0 * xs**2 * t1 * jnp.sin(xs * ws)).ravel()).reshape(2, 3, 2, 3)
     close(second(xs, ws, apply), by_hand)
     close(second(xs, ws, loop_apply), by_hand)
+
+
+class StraightThroughZeroJvp(vjpkit.Function):
+    """``x * w`` with rules that differ on purpose: backward passes the gradient straight through, jvp gives zeros."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g
+
+    @staticmethod
+    def jvp(ctx, tx, tw):
+        return jnp.zeros_like(tx)
+
+
+@pytest.mark.parametrize("staged", ["jit_of_vmap", "vmap_of_jit", "vmap"])
+def test_reverse_mode_of_a_staged_vmap_runs_backward_per_example_where_the_rules_differ(staged):
+    # Before JAX 0.7 reverse mode differentiates a jit by its JVP, traced before JAX knows it transposes it; the
+    # tangent's batch axes must then follow backward too: jvp's zeros do not vary, backward's gradient does (it
+    # gave every example the mean of the examples' gradients).
+    x, w = jnp.arange(6.0).reshape(2, 3), jnp.array([1.0, 2.0, 3.0])
+    weights = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    batched = {"jit_of_vmap": jax.jit(jax.vmap(StraightThroughZeroJvp.apply, (0, None))),
+               "vmap_of_jit": jax.vmap(jax.jit(StraightThroughZeroJvp.apply), (0, None)),
+               "vmap": jax.vmap(StraightThroughZeroJvp.apply, (0, None))}[staged]
+    def one(x, weight):
+        return (weight * StraightThroughZeroJvp.apply(x, w)).sum()
+
+    per_example = jnp.stack([jax.grad(one)(x[i], weights[i]) for i in range(2)])
+    close(per_example, weights)
+    close(jax.grad(lambda x: (weights * batched(x, w)).sum())(x), per_example)

@@ -450,21 +450,28 @@ def _batched_outputs(apply: Callable, transpose: Callable | None, recorded: bool
         _jax_internals.example_aval(_jax_internals.typeof(x), size) if a == 0 else _jax_internals.typeof(x)
         for x, a in zip(res + lin, in_axes, strict=True)
     ]
+    by_apply: list | None = None
     if transpose is None or not recorded:
         try:
             jaxpr = jax.make_jaxpr(lambda *args: list(apply(*_split(args, len(res)))))(*avals)
             batched_jaxpr, batched = _jax_internals.batch_example(jaxpr, axis_data, in_batched)
-            return batched, batched_jaxpr
+            if transpose is None or _jax_internals.linearizes_directly():
+                return batched, batched_jaxpr
+            # JAX without direct linearization (before 0.7) differentiates a jit by its JVP, traced before JAX
+            # knows whether it transposes it: there the call may yet be transposed, so an output is batched
+            # where either rule makes it vary (backward's rows below), and apply runs against those axes.
+            by_apply = batched
         except Exception:  # the rule reports its error where it runs; backward may still tell
             if transpose is None:
                 return [False] * len(out_avals), None
     rows = _rows_of(transpose, *_split(avals, len(res)), out_avals)
     if rows is None or rows is _UNTRACEABLE:
-        return [rows is None] * len(out_avals), None
+        return [rows is None or bool(by_apply and by_apply[j]) for j in range(len(out_avals))], None
     # Where the recorded call is evaluated after all (``jax.linearize`` before JAX 0.9 shares reverse
     # mode's record; a forward-mode derivative of a record), it runs apply, the user's jvp, as unbatched
     # (never the rows: a class's jvp and backward may be different rules), per example against these axes.
-    return _jax_internals.batch_example(rows, axis_data, in_batched)[1], None
+    batched = _jax_internals.batch_example(rows, axis_data, in_batched)[1]
+    return batched if by_apply is None else [a or b for a, b in zip(by_apply, batched, strict=True)], None
 
 
 _UNTRACEABLE = object()

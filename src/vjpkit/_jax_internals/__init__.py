@@ -40,6 +40,7 @@ ad.JVPTrace, ad.LinearizeTrace (is a differentiation   all             none
 ad.primitive_linearizations, fallback_linearize_rule   0.7 on          none (a primitive's
   (the call's linearization rule; a JVP rule told                      linearization rule, and whether
   ``is_vjp``, 0.9 on)                                                  reverse mode runs it)
+config.use_direct_linearize                            all             none (read as on where absent)
 config.config_ext                                      all             none (``jax.config`` defines no states)
 config.trace_context (called: gradcheck's cache key)   all             none
 ad.custom_lin_p (its rules wrapped to name a class)    all             none
@@ -125,6 +126,7 @@ from .traces import (
     is_staging,
     linearize_by_jvp_rule,
     linearizes_by_jvp_here,
+    linearizes_directly,
     on_primal_trace,
     register_linearization,
     stages_here,
@@ -152,7 +154,8 @@ __all__ = [
     "cast_to_varying", "check_replication_by_jaxpr", "closed_over_tracer_type", "differentiating_here",
     "differentiation_of_apply", "differentiation_running_rule", "eager_kernel", "effects_barrier", "enable_x64",
     "example_aval", "ffi_api", "hold_weakly_in_caches", "is_batching", "is_evaluating",
-    "is_closed_over_differentiated_error", "is_staging", "linearize_by_jvp_rule", "linearizes_by_jvp_here", "mlir",
+    "is_closed_over_differentiated_error", "is_staging", "linearize_by_jvp_rule", "linearizes_by_jvp_here",
+    "linearizes_directly", "mlir",
     "named_scope",
     "on_primal_trace", "ordered_effects_without_tokens",
     "register_linearization",

@@ -9,7 +9,7 @@ import inspect
 import threading
 from typing import Any, Literal, Sequence
 
-from ._lookup import _ad, _core, _pe, _require, _require_module
+from ._lookup import _ad, _config, _core, _pe, _require, _require_module
 
 # ---------------------------------------------------------------------------
 # core and partial_eval: the current trace.
@@ -123,6 +123,15 @@ _LinearizeTrace = _require(_ad, "LinearizeTrace", "jax._src.interpreters.ad")
 LINEARIZE_IS_TOLD_FROM_VJP = "is_vjp" in inspect.signature(_LinearizeTrace).parameters
 
 Differentiation = Literal["jvp", "linearize", "vjp"]
+
+# JAX 0.7 on linearizes directly by default; before, reverse mode is a JVP under partial evaluation (and a jit's
+# JVP is traced before JAX knows whether it transposes it). A JAX that dropped the flag linearizes directly.
+_direct_linearize: Any = getattr(_config, "use_direct_linearize", None)
+
+
+def linearizes_directly() -> bool:
+    """Whether JAX linearizes directly (``LinearizeTrace``), so that a JVP rule runs for forward mode only."""
+    return _direct_linearize is None or bool(_direct_linearize.value)
 
 
 class _Told(threading.local):
