@@ -97,7 +97,9 @@ def _lowering(ctx: Any, *args: Any, rules: Any, jaxpr: ClosedJaxpr | None, rever
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, rules: Any, jaxpr: ClosedJaxpr | None,
          reverse_jit: bool) -> tuple[list, list]:
     differentiation = _jax_internals.differentiation_running_rule()
-    return rules.rule(primals, tangents, "vjp" if reverse_jit and differentiation == "jvp" else differentiation)
+    if reverse_jit and differentiation in ("jvp", "traced_jvp"):
+        differentiation = "vjp"
+    return rules.rule(primals, tangents, differentiation)
 
 
 def _batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *, rules: Any, jaxpr: ClosedJaxpr | None,

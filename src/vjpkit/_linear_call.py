@@ -58,16 +58,17 @@ def linear_call(
     ``None`` for cotangents that JAX knows are zero.
     ``out_avals`` are ``apply``'s output types (no tracing to find them).
     ``differentiation``: which runs the rule that binds the call
-    (``"jvp"``, ``"linearize"``, ``"vjp"``): reverse mode records it to
+    (``"jvp"``, ``"traced_jvp"``, ``"linearize"``, ``"vjp"``): reverse mode records it to
     transpose it, never tracing ``apply``.
     """
     recorded = differentiation == "vjp"
+    may_be_transposed = differentiation == "traced_jvp"
     traced = None
     if not recorded and not hasattr(apply, "forward_mode_error"):
         residuals, apply, transpose, traced = _residual_work_first(tuple(residuals), tuple(linear_inputs),
                                                                    apply, transpose, tuple(out_avals))
     return _bind(residuals, linear_inputs, apply=apply, transpose=transpose, out_avals=out_avals,
-                 name=name, traced=traced, recorded=recorded)
+                 name=name, traced=traced, recorded=recorded, may_be_transposed=may_be_transposed)
 
 
 def _residual_work_first(residuals: tuple, linear_inputs: tuple, apply: Callable,
@@ -123,7 +124,7 @@ def _residual_work_first(residuals: tuple, linear_inputs: tuple, apply: Callable
 
 def _bind(residuals: Sequence[Any], linear_inputs: Sequence[Any], *, apply: Callable,
           transpose: Callable | None, out_avals: Sequence[Any], name: str, traced: _TracedRule | None = None,
-          recorded: bool = False) -> list:
+          recorded: bool = False, may_be_transposed: bool = False) -> list:
     num_res, out_avals = len(residuals), tuple(out_avals)
     if traced is None:
         traced = _TracedRule(apply, num_res, out_avals)
@@ -137,6 +138,7 @@ def _bind(residuals: Sequence[Any], linear_inputs: Sequence[Any], *, apply: Call
         name=name,
         traced=traced,
         recorded=recorded,
+        may_be_transposed=may_be_transposed,
     )
 
 
@@ -224,13 +226,15 @@ def refuse_forward_mode(rule: Callable) -> None:
         raise error()
 
 
-def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced, recorded):
+def _linear_call_impl(*args, num_res, apply, transpose, out_avals, name, traced, recorded,
+        may_be_transposed):
     refuse_forward_mode(apply)
     res, lin = _split(args, num_res)
     return list(apply(res, lin))
 
 
-def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, name, traced, recorded):
+def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, name, traced, recorded,
+        may_be_transposed):
     if recorded or hasattr(apply, "forward_mode_error"):
         # Recorded to be transposed, never run: grad must not trace the jvp
         # (nor a rule forward mode may not run, whose transpose is traced when bound).
@@ -238,7 +242,8 @@ def _linear_call_abstract_eval(*in_avals, num_res, apply, transpose, out_avals, 
     return list(out_avals), traced.effects(in_avals)
 
 
-def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
+def _linear_call_lowering(ctx, *args, num_res, apply, transpose, out_avals, name, traced, recorded,
+        may_be_transposed):
     refuse_forward_mode(apply)
     jaxpr = traced.jaxpr(ctx.avals_in)
     missing = _jax_internals.ordered_effects_without_tokens(ctx, jaxpr.effects)
@@ -294,7 +299,8 @@ def _jax_said(e: Exception) -> str:
     return "" if isinstance(e, AssertionError) else str(e).strip()
 
 
-def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name, traced, recorded):
+def _linear_call_transpose(cts, *args, num_res, apply, transpose, out_avals, name, traced, recorded,
+        may_be_transposed):
     res, lin = _split(args, num_res)
     if any(ad.is_undefined_primal(r) for r in res):
         raise TypeError(f"{name}: internal error: a residual of linear_call is linear.")
@@ -319,7 +325,8 @@ def _with_zeros_as_none(rule: Callable, zero: tuple) -> Callable:
     return rule_with_zeros
 
 
-def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name, traced, recorded):
+def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals, name, traced, recorded,
+        may_be_transposed):
     differentiation = _jax_internals.differentiation_running_rule()
     res, lin = _split(primals, num_res)
     d_res, d_lin = _split(tangents, num_res)
@@ -333,7 +340,8 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
         if all(type(t) is ad.Zero for t in d_lin):
             return out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
         return out, _bind(res, list(map(ad.instantiate_zeros, d_lin)), apply=apply, transpose=transpose,
-                          out_avals=out_avals, name=name, traced=traced, recorded=differentiation == "vjp")
+                          out_avals=out_avals, name=name, traced=traced, recorded=differentiation == "vjp",
+                          may_be_transposed=differentiation == "traced_jvp")
     # The residuals move too: differentiate the rule's JAX code along every
     # moving input at once. (Splitting it into call(res, d_lin) + d/d_res
     # computes shared factors twice, and XLA does not merge a@w + b@w.) Inputs
@@ -353,7 +361,8 @@ def _linear_call_jvp(primals, tangents, *, num_res, apply, transpose, out_avals,
     return list(out), list(tangent_out)
 
 
-def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name, traced, recorded):
+def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_avals, name, traced, recorded,
+        may_be_transposed):
     """A loop over the examples, whatever the rules: each example's tangents from its own residuals and inputs.
 
     An output is batched where the rule that runs makes it depend on the
@@ -363,7 +372,8 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
     axis_names = _jax_internals.vmap_axis_names(axis_data)
     res, lin = _split(args, num_res)
     if all(d is None for d in dims) and axis_names["axis_name"] is None:
-        out = _bind(res, lin, apply=apply, transpose=transpose, out_avals=out_avals, name=name, recorded=recorded)
+        out = _bind(res, lin, apply=apply, transpose=transpose, out_avals=out_avals, name=name, recorded=recorded,
+                    may_be_transposed=may_be_transposed)
         return out, [None] * len(out)
     size = axis_data.size
     res_dims, lin_dims = _split(dims, num_res)
@@ -371,7 +381,8 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
     lin = tuple(x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(lin, lin_dims, strict=True))
     res_axes = tuple(None if d is None else 0 for d in res_dims)
     lin_axes = tuple(None if d is None else 0 for d in lin_dims)
-    batched, batched_jaxpr = _batched_outputs(apply, transpose, recorded, res, lin, res_axes + lin_axes,
+    batched, batched_jaxpr = _batched_outputs(apply, transpose, recorded, may_be_transposed, res, lin,
+                                              res_axes + lin_axes,
                                               out_avals, axis_data)
     out_axes = tuple(0 if b else None for b in batched)
 
@@ -390,7 +401,7 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
         _jax_internals.batched_aval(a, size, axis_data) if b else a for a, b in zip(out_avals, batched, strict=True)
     )
     out = _bind(res, lin, apply=batched_apply, transpose=batched_transpose, out_avals=batched_out_avals,
-                name=name, recorded=recorded)
+                name=name, recorded=recorded, may_be_transposed=may_be_transposed)
     return out, list(out_axes)
 
 
@@ -429,7 +440,8 @@ def _batched_transpose(transpose: Callable, res_axes: tuple, lin_axes: tuple, ou
     return batched
 
 
-def _batched_outputs(apply: Callable, transpose: Callable | None, recorded: bool, res: tuple, lin: tuple,
+def _batched_outputs(apply: Callable, transpose: Callable | None, recorded: bool, may_be_transposed: bool,
+                     res: tuple, lin: tuple,
                      in_axes: tuple, out_avals: Sequence[Any], axis_data: Any) -> tuple[list[bool], Any]:
     """Which outputs of the call vary along the batch: where the rule that runs makes an example's depend on it.
 
@@ -455,7 +467,7 @@ def _batched_outputs(apply: Callable, transpose: Callable | None, recorded: bool
         try:
             jaxpr = jax.make_jaxpr(lambda *args: list(apply(*_split(args, len(res)))))(*avals)
             batched_jaxpr, batched = _jax_internals.batch_example(jaxpr, axis_data, in_batched)
-            if transpose is None or _jax_internals.linearizes_directly():
+            if transpose is None or not may_be_transposed:
                 return batched, batched_jaxpr
             # JAX without direct linearization (before 0.7) differentiates a jit by its JVP, traced before JAX
             # knows whether it transposes it: there the call may yet be transposed, so an output is batched

@@ -192,7 +192,7 @@ class Program:
     def rule(self, primals: Sequence[Any], tangents: Sequence[Any], differentiation: str) -> tuple[list, list]:
         """forward's outputs, and their tangent through ``linear_call`` (``tangents``: ``ad.Zero`` where none).
 
-        ``differentiation``: ``"jvp"``, ``"linearize"`` or ``"vjp"`` (which runs the rule).
+        ``differentiation``: which runs the rule (``_jax_internals.differentiation_running_rule``).
         """
         spec = self.spec
         self._check_differentiable()

@@ -122,7 +122,7 @@ _LinearizeTrace = _require(_ad, "LinearizeTrace", "jax._src.interpreters.ad")
 # reverse mode; JAX 0.7 and 0.8 cannot tell, and both count as reverse mode.
 LINEARIZE_IS_TOLD_FROM_VJP = "is_vjp" in inspect.signature(_LinearizeTrace).parameters
 
-Differentiation = Literal["jvp", "linearize", "vjp"]
+Differentiation = Literal["jvp", "traced_jvp", "linearize", "vjp"]
 
 # JAX 0.7 on linearizes directly by default; before, reverse mode is a JVP under partial evaluation (and a jit's
 # JVP is traced before JAX knows whether it transposes it). A JAX that dropped the flag linearizes directly.
@@ -144,19 +144,29 @@ _told = _Told()
 
 
 def differentiation_running_rule() -> Differentiation:
-    """Which differentiation runs the JVP rule that calls this, first thing: ``"jvp"``, ``"linearize"`` or ``"vjp"``.
+    """Which differentiation runs the JVP rule that calls this, first thing.
 
-    Why: reverse mode only records the tangent's ``linear_call`` to transpose
-    it (its jvp must not be traced for effects), ``jax.linearize`` splits the
-    work on the residuals off it, and forward mode of a class without jvp
-    fails at once. Where JAX cannot tell ``jax.linearize`` from reverse mode
-    (before 0.9), it says ``"vjp"``.
+    ``"jvp"`` (forward mode), ``"linearize"``, ``"vjp"`` (reverse mode), or
+    ``"traced_jvp"``: a JVP traced into a jaxpr where JAX does not linearize
+    directly (a ``jit``'s, before JAX 0.7), which reverse mode may yet
+    transpose. Why: reverse mode only records the tangent's ``linear_call``
+    to transpose it (its jvp must not be traced for effects),
+    ``jax.linearize`` splits the work on the residuals off it, and a call
+    that may be transposed batches its tangent where ``backward`` needs it.
+    Where JAX cannot tell ``jax.linearize`` from reverse mode (before 0.9),
+    it says ``"vjp"``.
     """
     told = _told.differentiation
     if told is not None:
         _told.differentiation = None
         return told  # type: ignore[return-value]
-    return "vjp" if type(_trace_ctx.trace) is _JaxprTrace else "jvp"
+    trace = _trace_ctx.trace
+    if type(trace) is _JaxprTrace:
+        return "vjp"
+    if type(trace) is _DynamicJaxprTrace and not linearizes_directly():
+        # A JVP traced into a jaxpr (a jit's, before JAX 0.7) that reverse mode may yet transpose.
+        return "traced_jvp"
+    return "jvp"
 
 
 def differentiation_of_apply() -> str | None:
