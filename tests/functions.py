@@ -437,3 +437,23 @@ REFERENCE = {
     WeightedSinWithJvp: _weighted_sin,
     WeightedSinJvpOnly: _weighted_sin,
 }
+
+
+class StraightThroughZeroJvp(vjpkit.Function):
+    """``x * w`` with rules that differ on purpose: backward passes the gradient straight through, jvp gives zeros.
+
+    Only the Function's own rules give its answers (forward's code differentiates to neither): reverse mode
+    must run backward, forward mode jvp.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g
+
+    @staticmethod
+    def jvp(ctx, tx, tw):
+        return jnp.zeros_like(tx)

@@ -11,7 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import Double, DoubleNoRules, ExpWithJvp, SinCosWithJvp, SinJvpOnly, SinWithJvp, fresh
+from functions import (
+    Double,
+    DoubleNoRules,
+    ExpWithJvp,
+    SinCosWithJvp,
+    SinJvpOnly,
+    SinWithJvp,
+    StraightThroughZeroJvp,
+    fresh,
+)
 
 import vjpkit
 from vjpkit import _jax_internals
@@ -161,22 +170,6 @@ def test_forward_mode_calls_jvp_and_reverse_mode_backward_never_the_other(run, r
 # ctx in jvp.
 
 
-class ZeroJvpStraightThrough(vjpkit.Function):
-    """``x * w`` whose rules differ on purpose: backward passes the gradient straight through, jvp gives zeros."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, jnp.sum(g)
-
-    @staticmethod
-    def jvp(ctx, tx, tw):
-        return jnp.zeros_like(tx)
-
-
 @pytest.mark.parametrize("batched", [False, True], ids=["one", "vmap"])
 def test_linearize_runs_jvp_when_the_rules_differ(batched):
     # Before JAX 0.9 jax.linearize shares reverse mode's record of the call; evaluated, the record runs jvp,
@@ -184,7 +177,7 @@ def test_linearize_runs_jvp_when_the_rules_differ(batched):
     x, w, t = jnp.arange(6.0).reshape(3, 2), jnp.float32(2.0), jnp.ones((3, 2))
 
     def linearized(x, t):
-        _, f_jvp = jax.linearize(ZeroJvpStraightThrough.apply, x, w)
+        _, f_jvp = jax.linearize(StraightThroughZeroJvp.apply, x, w)
         return f_jvp(t, jnp.float32(1.0))
 
     loop = jnp.stack([linearized(x[i], t[i]) for i in range(3)])

@@ -26,7 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from functions import REFERENCE, ScaledRules, WeightedSin, WeightedSinJvpOnly, WeightedSinWithJvp, ZerosNoRules
+from functions import (
+    REFERENCE,
+    ScaledRules,
+    StraightThroughZeroJvp,
+    WeightedSin,
+    WeightedSinJvpOnly,
+    WeightedSinWithJvp,
+    ZerosNoRules,
+)
 from jax import lax
 
 import vjpkit
@@ -537,22 +545,6 @@ def test_forward_over_reverse_of_a_staged_vmapped_call_batches_its_record_as_bac
     by_hand = jnp.diag((-9.0 * xs**2 * t1 * jnp.sin(xs * ws)).ravel()).reshape(2, 3, 2, 3)
     close(second(xs, ws, apply), by_hand)
     close(second(xs, ws, loop_apply), by_hand)
-
-
-class StraightThroughZeroJvp(vjpkit.Function):
-    """``x * w`` with rules that differ on purpose: backward passes the gradient straight through, jvp gives zeros."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, g
-
-    @staticmethod
-    def jvp(ctx, tx, tw):
-        return jnp.zeros_like(tx)
 
 
 @pytest.mark.parametrize("staged", ["jit_of_vmap", "vmap_of_jit", "vmap"])
