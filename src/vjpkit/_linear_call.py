@@ -24,7 +24,6 @@ transpose it, and never traces ``apply``.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -403,20 +402,6 @@ def _linear_call_batch(axis_data, args, dims, *, num_res, apply, transpose, out_
     out = _bind(res, lin, apply=batched_apply, transpose=batched_transpose, out_avals=batched_out_avals,
                 name=name, recorded=recorded, may_be_transposed=may_be_transposed)
     return out, list(out_axes)
-
-
-class _ReadingBatching(threading.local):
-    """Whether this thread is reading which outputs of a rule vary along a batch (``_tie._derivative_batched``).
-
-    That reading traces and batches the rule for one example, nested in
-    whatever batching asked. The ties of the rule read are batched by
-    their values there, which stops the reading from recursing.
-    """
-
-    active = False
-
-
-reading_batching = _ReadingBatching()
 
 
 def _batched_transpose(transpose: Callable, res_axes: tuple, lin_axes: tuple, out_axes: tuple, size: int,

@@ -27,6 +27,7 @@ compiles to nothing.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol, Sequence
 
 import jax
@@ -35,8 +36,22 @@ import jax.numpy as jnp
 from . import _jax_internals
 from ._args import as_arrays
 from ._jax_internals import Primitive, ad, batching, mlir
-from ._linear_call import reading_batching
 from ._tree import is_differentiable_dtype
+
+
+class _ReadingBatching(threading.local):
+    """Whether this thread is reading which outputs of a rule vary along a batch (``_derivative_batched``).
+
+    That reading traces and batches the rule for one example, nested in
+    whatever batching asked. The ties of the rule read are batched by
+    their values there, which stops the reading from recursing.
+    """
+
+    active = False
+
+
+reading_batching = _ReadingBatching()
+
 
 # ---------------------------------------------------------------------------
 # The tie.
